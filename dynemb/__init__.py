@@ -1,0 +1,28 @@
+"""dynemb: dynamic embedding tables for recommendation models in PyTorch.
+
+Tables keyed by raw int64 ids with no vocabulary: rows are created on first sight, carry their
+optimizer state, and are evicted by score when the table is full. Importing dynemb has no side
+effects (no logging setup, no environment changes, no CUDA initialisation).
+"""
+
+from dynemb import errors
+from dynemb.batch import EMPTY_KEY, SparseBatch
+from dynemb.config import (
+    SGD, Adagrad, Adam, Admission, Initializer, InitKind, OnFull, OptimizerConfig, PoolingMode,
+    RowWiseAdagrad, ScorePolicy, TableConfig,
+)
+from dynemb.nn import EmbeddingBagCollection, EmbeddingCollection, JaggedEmbeddings, KeyedEmbeddings
+from dynemb.table import (
+    DynamicTable, Evicted, ExportBatch, FindResult, InsertResult, MemoryUsage, TableStats,
+    table_memory,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EMPTY_KEY", "SGD", "Adagrad", "Adam", "Admission", "DynamicTable", "EmbeddingBagCollection",
+    "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",
+    "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "OnFull",
+    "OptimizerConfig", "PoolingMode", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
+    "TableConfig", "TableStats", "errors", "table_memory",
+]

@@ -1,0 +1,153 @@
+"""SparseBatch: jagged ids per feature in one feature-major layout.
+
+For F features and batch size B: ``values`` (N,) int64 holds every id, feature after feature and
+sample after sample; ``lengths`` (F·B,) the bag length of each (feature, sample); ``weights``
+(N,) float, optional, one per id. Validated on construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from dynemb.errors import InputError
+
+EMPTY_KEY = -(1 << 63)
+"""The reserved key (int64 minimum) that marks an empty slot; it can never be an id."""
+
+
+def check_keys(keys: torch.Tensor, where: str) -> None:
+    """Raises InputError unless ``keys`` is a 1-D int64 tensor free of the reserved key."""
+    if not isinstance(keys, torch.Tensor):
+        raise InputError(f"{where}: expected ids as a torch.Tensor, found {type(keys).__name__}.")
+    if keys.dtype != torch.int64:
+        raise InputError(f"{where}: expected int64 ids, found {keys.dtype}; "
+                         "convert integer ids with .long() (float or bool ids are not ids).")
+    if keys.dim() != 1:
+        raise InputError(f"{where}: expected a 1-D tensor of ids, found shape {tuple(keys.shape)}.")
+    if keys.numel() and bool((keys == EMPTY_KEY).any()):
+        raise InputError(f"{where}: found the reserved empty key {EMPTY_KEY} (int64 minimum) "
+                         "among the ids; map it to another id before lookup.")
+
+
+class SparseBatch:
+    """Jagged ids of F features for a batch of B samples.
+
+    Args:
+        features: feature names, in the order of the layout (distinct).
+        values: (N,) int64 ids.
+        lengths: (F·B,) int bag lengths, feature-major: lengths[f·B + b].
+        weights: optional (N,) float per-id weights (finite).
+    """
+
+    def __init__(self, *, features: Sequence[str], values: torch.Tensor, lengths: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> None:
+        self.features = tuple(features)
+        self.values = values
+        self.lengths = lengths
+        self.weights = weights
+        self._validate()
+        self.batch_size = lengths.numel() // len(self.features) if self.features else 0
+        per_feature = lengths.view(len(self.features), self.batch_size).sum(dim=1)
+        self._feature_offsets = [0, *torch.cumsum(per_feature, 0).tolist()]
+
+    def _validate(self) -> None:
+        names, values, lengths, weights = self.features, self.values, self.lengths, self.weights
+        if not names or not all(isinstance(f, str) and f for f in names):
+            raise InputError(f"SparseBatch: expected a non-empty list of feature names, found {names!r}.")
+        if len(set(names)) != len(names):
+            raise InputError(f"SparseBatch: feature names must be distinct, found {names!r}.")
+        if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.dtype.is_floating_point \
+                or lengths.dtype == torch.bool:
+            raise InputError("SparseBatch: expected lengths as a 1-D integer tensor, found "
+                             f"{getattr(lengths, 'dtype', type(lengths).__name__)} "
+                             f"of shape {tuple(getattr(lengths, 'shape', ()))}.")
+        if lengths.numel() % len(names):
+            raise InputError(f"SparseBatch: lengths has {lengths.numel()} entries, expected a "
+                             f"multiple of the {len(names)} features (F·B, feature-major).")
+        check_keys(values, "SparseBatch.values")
+        batch = lengths.numel() // len(names)
+        per_sample = lengths.view(len(names), batch)
+        for f, name in enumerate(names):
+            neg = per_sample[f] < 0
+            if bool(neg.any()):
+                b = int(torch.nonzero(neg)[0])
+                raise InputError(f"SparseBatch: feature {name!r}, sample {b}: negative length "
+                                 f"{int(per_sample[f, b])}; lengths must be >= 0.")
+        total = int(lengths.sum())
+        if total != values.numel():
+            raise InputError(f"SparseBatch: lengths sum to {total} but there are {values.numel()} "
+                             "values; expected them equal.")
+        if weights is not None:
+            self._validate_weights(weights, per_sample)
+
+    def _validate_weights(self, weights: torch.Tensor, per_sample: torch.Tensor) -> None:
+        if not isinstance(weights, torch.Tensor) or not weights.dtype.is_floating_point:
+            raise InputError("SparseBatch: expected float weights, found "
+                             f"{getattr(weights, 'dtype', type(weights).__name__)}.")
+        if weights.shape != self.values.shape:
+            raise InputError(f"SparseBatch: weights have shape {tuple(weights.shape)}, expected "
+                             f"{tuple(self.values.shape)} (one per id).")
+        bad = ~torch.isfinite(weights)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            ends = torch.cumsum(per_sample.sum(dim=1), 0)
+            f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=True))
+            raise InputError(f"SparseBatch: feature {self.features[f]!r}: weight {i} is "
+                             f"{float(weights[i])}; weights must be finite.")
+
+    @classmethod
+    def from_dict(cls, ids: Mapping[str, Sequence[Sequence[int]]],
+                  weights: Mapping[str, Sequence[Sequence[float]]] | None = None) -> SparseBatch:
+        """Builds a batch from ``{feature: [bag of ids per sample]}`` (same B for every feature).
+
+        ``weights``, if given, has the same features and shapes as ``ids``.
+        """
+        names = list(ids)
+        sizes = {name: len(bags) for name, bags in ids.items()}
+        if len(set(sizes.values())) > 1:
+            raise InputError(f"SparseBatch.from_dict: features have different batch sizes {sizes}.")
+        if weights is not None and set(weights) != set(names):
+            raise InputError(f"SparseBatch.from_dict: weights have features {sorted(weights)}, "
+                             f"expected {sorted(names)}.")
+        flat: list[int] = []
+        flat_w: list[float] = []
+        lengths: list[int] = []
+        for name in names:
+            for b, bag in enumerate(ids[name]):
+                bag = list(bag)
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in bag):
+                    raise InputError(f"SparseBatch.from_dict: feature {name!r}, sample {b}: "
+                                     f"expected integer ids, found {bag!r}.")
+                flat.extend(bag)
+                lengths.append(len(bag))
+                if weights is not None:
+                    w = list(weights[name][b])
+                    if len(w) != len(bag):
+                        raise InputError(f"SparseBatch.from_dict: feature {name!r}, sample {b}: "
+                                         f"{len(w)} weights for {len(bag)} ids.")
+                    flat_w.extend(w)
+        return cls(features=names, values=torch.tensor(flat, dtype=torch.int64),
+                   lengths=torch.tensor(lengths, dtype=torch.int64),
+                   weights=None if weights is None else torch.tensor(flat_w, dtype=torch.float32))
+
+    def to(self, device: torch.device | str) -> SparseBatch:
+        """A copy on ``device``."""
+        return SparseBatch(features=self.features, values=self.values.to(device),
+                           lengths=self.lengths.to(device),
+                           weights=None if self.weights is None else self.weights.to(device))
+
+    def feature(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values, lengths (B,), weights or None) of one feature."""
+        if name not in self.features:
+            raise InputError(f"SparseBatch: no feature {name!r}; the batch has {list(self.features)}.")
+        f = self.features.index(name)
+        lo, hi = self._feature_offsets[f], self._feature_offsets[f + 1]
+        lengths = self.lengths[f * self.batch_size:(f + 1) * self.batch_size]
+        weights = None if self.weights is None else self.weights[lo:hi]
+        return self.values[lo:hi], lengths, weights
+
+    def __repr__(self) -> str:
+        return (f"SparseBatch(features={list(self.features)}, batch_size={self.batch_size}, "
+                f"num_ids={self.values.numel()}, weighted={self.weights is not None})")

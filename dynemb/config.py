@@ -1,0 +1,260 @@
+"""What the user chooses: frozen, validated configuration dataclasses and enums.
+
+Every dataclass is ``frozen=True, kw_only=True`` and validates itself in ``__post_init__``; a bad
+value raises :class:`dynemb.errors.ConfigError` naming the field, the value and the valid range.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from dynemb.errors import ConfigError
+
+
+class ScorePolicy(str, enum.Enum):
+    """How a row's score is kept; the lowest score in a full bucket is evicted first.
+
+    LRU: the table step of the last lookup. LFU: the number of lookups (occurrences).
+    STEP: the table step of the last write (insert or optimizer update). CUSTOM: scores given by
+    the caller; a new key enters a full bucket only if its score is at least the lowest one.
+    NO_EVICTION: scores kept as for LRU, but a full bucket never evicts: the insert fails.
+    """
+
+    LRU = "lru"
+    LFU = "lfu"
+    STEP = "step"
+    CUSTOM = "custom"
+    NO_EVICTION = "no_eviction"
+
+
+class PoolingMode(str, enum.Enum):
+    """How a bag's rows are reduced. MEAN divides the (weighted) sum by the bag length."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class OnFull(str, enum.Enum):
+    """What a lookup does when a key cannot get a row (full bucket, no eviction possible).
+
+    RAISE: raise :class:`CapacityError`. WARN: log a warning, count it in ``TableStats``, and give
+    the key its eval-initializer row without updates. COUNT: the same without the warning.
+    """
+
+    RAISE = "raise"
+    WARN = "warn"
+    COUNT = "count"
+
+
+class InitKind(str, enum.Enum):
+    """Initial-value distributions for new rows."""
+
+    NORMAL = "normal"
+    TRUNCATED_NORMAL = "truncated_normal"
+    UNIFORM = "uniform"
+    CONSTANT = "constant"
+
+
+def _fail(owner: str, name: str, value: object, expected: str) -> None:
+    raise ConfigError(f"{owner}.{name}: expected {expected}, found {value!r}.")
+
+
+def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        _fail(owner, name, value, "a finite number " + (">= 0" if allow_zero else "> 0"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Initializer:
+    """Initial values of a row's embedding, deterministic per (seed, table, key).
+
+    The same key gets the same initial row on any rank, world size and backend run.
+    """
+
+    kind: InitKind = InitKind.NORMAL
+    """Distribution of each element."""
+    mean: float = 0.0
+    """NORMAL / TRUNCATED_NORMAL: the mean."""
+    std: float = 0.01
+    """NORMAL / TRUNCATED_NORMAL: the standard deviation (before truncation). Normal draws
+    interpolate 2**16 quantiles; NORMAL is cut at ±6 std (2e-9 of the mass)."""
+    bound: float = 2.0
+    """TRUNCATED_NORMAL: values lie within mean ± bound·std."""
+    low: float = -0.01
+    """UNIFORM: the lower end."""
+    high: float = 0.01
+    """UNIFORM: the upper end."""
+    value: float = 0.0
+    """CONSTANT: the value of every element."""
+    seed: int = 0
+    """Mixed with the table name and the key; change it to draw other initial rows."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, InitKind):
+            _fail("Initializer", "kind", self.kind, f"one of {[k.name for k in InitKind]}")
+        for name in ("mean", "low", "high", "value"):
+            if not math.isfinite(getattr(self, name)):
+                _fail("Initializer", name, getattr(self, name), "a finite number")
+        _check_positive("Initializer", "std", self.std, allow_zero=True)
+        _check_positive("Initializer", "bound", self.bound)
+        if self.high < self.low:
+            _fail("Initializer", "high", self.high, f"high >= low ({self.low})")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            _fail("Initializer", "seed", self.seed, "an int in [0, 2**63)")
+
+
+ZEROS = Initializer(kind=InitKind.CONSTANT, value=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Base of the fused sparse optimizers; rows are updated in backward, in place."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """L2 penalty added to the gradient of each updated row (``g + weight_decay * w``)."""
+    max_grad_norm: float | None = None
+    """If set, the table's per-key summed gradient is scaled so its total L2 norm is at most this
+    (``torch.nn.utils.clip_grad_norm_`` applied to the table's gradient)."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_positive(owner, "lr", self.lr, allow_zero=True)
+        _check_positive(owner, "weight_decay", self.weight_decay, allow_zero=True)
+        if self.max_grad_norm is not None:
+            _check_positive(owner, "max_grad_norm", self.max_grad_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD(OptimizerConfig):
+    """Plain SGD: ``w -= lr * g`` (``torch.optim.SGD`` without momentum). No state."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adagrad(OptimizerConfig):
+    """``torch.optim.Adagrad``: per-element sum of squared gradients; state width = dim."""
+
+    lr_decay: float = 0.0
+    """``lr / (1 + (t - 1) * lr_decay)`` with t the table's optimizer step."""
+    eps: float = 1e-10
+    """Added to the square root of the accumulator."""
+    initial_accumulator_value: float = 0.0
+    """Accumulator value of a new row."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("Adagrad", "lr_decay", self.lr_decay, allow_zero=True)
+        _check_positive("Adagrad", "eps", self.eps)
+        _check_positive("Adagrad", "initial_accumulator_value", self.initial_accumulator_value,
+                        allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad(Adagrad):
+    """Row-wise Adagrad: one accumulator per row, ``m += mean(g**2)``, ``w -= lr * g / (sqrt(m) + eps)``.
+
+    State width 1. Defaults follow ``torch.optim.Adagrad`` (as torchrec's RowWiseAdagrad does).
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adam(OptimizerConfig):
+    """The ``torch.optim.SparseAdam`` rule: lazy per-row moments, bias correction by the table's
+    global optimizer step; state width = 2 * dim. ``weight_decay`` adds ``wd * w`` to the gradient
+    (``torch.optim.Adam``'s L2 form)."""
+
+    lr: float = 0.001
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moments."""
+    eps: float = 1e-8
+    """Added to the square root of the second moment."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            _fail("Adam", "betas", self.betas, "two numbers in [0, 1)")
+        _check_positive("Adam", "eps", self.eps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """Frequency admission: a key gets a row only once it was seen ``threshold`` times.
+
+    Until then its lookups return the eval initializer and it gets no update. Counts live in a
+    bounded counter table that evicts its least-counted keys when full.
+    """
+
+    threshold: int = 2
+    """Occurrences (in training lookups) needed before a key gets a row."""
+    counter_capacity: int = 1 << 16
+    """Slots of the counter table."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threshold, int) or self.threshold < 1:
+            _fail("Admission", "threshold", self.threshold, "an int >= 1")
+        if not isinstance(self.counter_capacity, int) or self.counter_capacity < 1:
+            _fail("Admission", "counter_capacity", self.counter_capacity, "an int >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """One dynamic embedding table: rows keyed by raw int64 ids, created on first sight."""
+
+    name: str
+    """Unique table name."""
+    dim: int
+    """Embedding dimension."""
+    features: tuple[str, ...]
+    """Feature names looked up in this table (several features may share a table)."""
+    capacity: int
+    """Rows the table can hold (rounded up to whole buckets; see ``DynamicTable.capacity()``)."""
+    optimizer: OptimizerConfig = field(default_factory=SGD)
+    """Fused sparse optimizer applied in backward."""
+    score: ScorePolicy = ScorePolicy.LRU
+    """Eviction score policy."""
+    pooling: PoolingMode = PoolingMode.SUM
+    """Bag reduction for EmbeddingBagCollection."""
+    initializer: Initializer = field(default_factory=Initializer)
+    """Initial embedding of a new row."""
+    eval_initializer: Initializer = ZEROS
+    """Embedding returned for a key without a row (eval mode, not yet admitted, failed insert)."""
+    admission: Admission | None = None
+    """Optional frequency admission."""
+    on_full: OnFull = OnFull.RAISE
+    """What happens when a key cannot get a row."""
+    bucket_capacity: int = 128
+    """Slots per hash bucket (a power of two in [8, 1024]; a table smaller than one bucket gets
+    one bucket of the next power of two, at least 8)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            _fail("TableConfig", "name", self.name, "a non-empty string")
+        owner = f"TableConfig({self.name!r})"
+        if isinstance(self.features, str):
+            _fail(owner, "features", self.features, "a list of feature names, not one string")
+        object.__setattr__(self, "features", tuple(self.features))
+        if not self.features or not all(isinstance(f, str) and f for f in self.features):
+            _fail(owner, "features", self.features, "a non-empty list of non-empty strings")
+        if len(set(self.features)) != len(self.features):
+            _fail(owner, "features", self.features, "distinct feature names")
+        if not isinstance(self.dim, int) or self.dim < 1:
+            _fail(owner, "dim", self.dim, "an int >= 1")
+        if not isinstance(self.capacity, int) or self.capacity < 1:
+            _fail(owner, "capacity", self.capacity, "an int >= 1")
+        b = self.bucket_capacity
+        if not isinstance(b, int) or b < 8 or b & (b - 1) or b > 1024:
+            _fail(owner, "bucket_capacity", b, "a power of two in [8, 1024]")
+        checks = (("optimizer", OptimizerConfig), ("score", ScorePolicy),
+                  ("pooling", PoolingMode), ("initializer", Initializer),
+                  ("eval_initializer", Initializer), ("on_full", OnFull))
+        for name, kind in checks:
+            if not isinstance(getattr(self, name), kind):
+                _fail(owner, name, getattr(self, name), f"a {kind.__name__}")
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            _fail(owner, "admission", self.admission, "an Admission or None")

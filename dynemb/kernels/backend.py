@@ -1,0 +1,142 @@
+"""One tensor-level interface over the two kernel implementations.
+
+``NUMBA`` runs the compiled CPU kernels on zero-copy numpy views of CPU tensors; ``TORCH`` runs
+the vectorised torch twins (any device). Tables pick one by device (``backend_for``); tests run
+both against the same models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.config import Initializer, InitKind
+from dynemb.errors import ConfigError
+from dynemb.kernels import index_numba as inb
+from dynemb.kernels import index_torch as ito
+from dynemb.kernels import rows_numba as rnb
+from dynemb.kernels import rows_torch as rto
+
+_NO_QUANTILES = torch.zeros(2, dtype=torch.float64)
+INIT_CODES = {
+    InitKind.NORMAL: rnb.INIT_NORMAL,
+    InitKind.TRUNCATED_NORMAL: rnb.INIT_TRUNCATED_NORMAL,
+    InitKind.UNIFORM: rnb.INIT_UNIFORM,
+    InitKind.CONSTANT: rnb.INIT_CONSTANT,
+}
+
+
+def init_params(init: Initializer) -> tuple[int, float, float, torch.Tensor]:
+    """(kind code, a, b, quantile table) as the init kernels take them."""
+    code = INIT_CODES[init.kind]
+    if init.kind == InitKind.UNIFORM:
+        return code, init.low, init.high, _NO_QUANTILES
+    if init.kind == InitKind.CONSTANT:
+        return code, init.value, 0.0, _NO_QUANTILES
+    bound = init.bound if init.kind == InitKind.TRUNCATED_NORMAL else rnb.NORMAL_BOUND
+    return code, init.mean, init.std, rto.quantile_table(bound)
+
+
+def _np(t: torch.Tensor):
+    return t.detach().numpy()
+
+
+class NumbaBackend:
+    """Compiled single-threaded CPU kernels."""
+
+    name = "numba"
+
+    def find(self, ix, keys, custom, policy, step, touch, pin):
+        slots = torch.empty_like(keys)
+        inb.find_pass(_np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
+                      _np(ix.pins), ix.num_buckets, ix.width - 1, policy, step, touch, pin,
+                      _np(slots), _np(ix.counts))
+        return slots
+
+    def insert(self, ix, keys, custom, policy, step):
+        n = keys.numel()
+        slots = torch.empty_like(keys)
+        inserted = torch.zeros(n, dtype=torch.bool)
+        ev_keys, ev_slots, ev_scores = (torch.empty_like(keys) for _ in range(3))
+        n_ev = inb.insert_pass(
+            _np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
+            _np(ix.pins), ix.num_buckets, ix.width - 1, policy, step, _np(slots),
+            _np(inserted), _np(ev_keys), _np(ev_slots), _np(ev_scores), _np(ix.counts))
+        return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
+
+    def finish(self, ix, slots):
+        n = slots.numel()
+        inverse, unique_slots, unique_pos = (torch.empty_like(slots) for _ in range(3))
+        u = inb.finish(_np(slots), _np(ix.pins), _np(inverse), _np(unique_slots), _np(unique_pos))
+        return inverse, unique_slots[:u], unique_pos[:u]
+
+    def unpin(self, ix, slots):
+        inb.unpin(_np(slots), _np(ix.pins))
+
+    def erase(self, ix, keys):
+        slots = torch.empty_like(keys)
+        inb.erase(_np(keys), _np(ix.keys), _np(ix.scores), _np(ix.digests), ix.num_buckets,
+                  ix.width - 1, _np(slots), _np(ix.counts))
+        return slots
+
+    def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
+        kind, a, b, quantiles = init_params(init)
+        rnb.init_rows(_np(dst), _np(dst_rows), _np(keys), dim, state_value, kind, a, b,
+                      _np(quantiles), table_mix)
+
+    def gather(self, rows, slots, dim, out):
+        rnb.gather(_np(rows), _np(slots), dim, _np(out))
+
+    def optimizer(self, name):
+        kernel = getattr(rnb, name)
+
+        def run(rows, slots, grads, *args):
+            kernel(_np(rows), _np(slots), _np(grads.contiguous()), *args)
+
+        return run
+
+
+class TorchBackend:
+    """Vectorised torch reference kernels (CPU or CUDA)."""
+
+    name = "torch"
+
+    def find(self, ix, keys, custom, policy, step, touch, pin):
+        return ito.find_pass(ix, keys, custom, policy, step, touch, pin)
+
+    def insert(self, ix, keys, custom, policy, step):
+        return ito.insert_pass(ix, keys, custom, policy, step)
+
+    def finish(self, ix, slots):
+        return ito.finish(ix, slots)
+
+    def unpin(self, ix, slots):
+        ito.unpin(ix, slots)
+
+    def erase(self, ix, keys):
+        return ito.erase(ix, keys)
+
+    def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
+        rto.init_rows(dst, dst_rows, keys, dim, state_value, *init_params(init), table_mix)
+
+    def gather(self, rows, slots, dim, out):
+        rto.gather(rows, slots, dim, out)
+
+    def optimizer(self, name):
+        return getattr(rto, name)
+
+
+NUMBA = NumbaBackend()
+TORCH = TorchBackend()
+BACKENDS = {"numba": NUMBA, "torch": TORCH}
+
+
+def backend_for(device: torch.device, name: str | None = None):
+    """The backend named ``name`` ("numba" or "torch"), or the default for ``device``."""
+    if name is None:
+        return NUMBA if device.type == "cpu" else TORCH
+    if name not in BACKENDS:
+        raise ConfigError(f"backend: expected one of {sorted(BACKENDS)}, found {name!r}.")
+    if name == "numba" and device.type != "cpu":
+        raise ConfigError(f"backend 'numba' runs on CPU tensors only, found device {device}; "
+                          "use backend='torch' (the default for non-CPU devices).")
+    return BACKENDS[name]

@@ -1,0 +1,119 @@
+"""64-bit mixing: MurmurHash3's fmix64 finaliser, in numba (CPU kernels) and in torch (reference
+and CUDA), plus the derived hashes the hash index uses.
+
+fmix64 works on a key's 64-bit pattern (an int64 key ``-1`` is ``0xFFFF_FFFF_FFFF_FFFF``). torch
+has no unsigned 64-bit arithmetic, so the torch version works on int64 with wrapping
+multiplication and masked (logical) right shifts; both agree bit for bit.
+
+Hashes used by a table (all independent of the routing hash ``fmix64(key)``):
+
+- ``index_hash(key) = fmix64(key ^ INDEX_SEED)``: bucket from bits 33..63, start slot in the
+  bucket from the low bits, 1-byte digest from bits 8..15.
+- ``element_hash(key_mix, counter)``: random bits of one element of a new row (initializers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+M1 = 0xFF51AFD7ED558CCD
+M2 = 0xC4CEB9FE1A85EC53
+INDEX_SEED = 0x9E3779B97F4A7C15
+GOLDEN = 0x9E3779B97F4A7C15
+U64 = (1 << 64) - 1
+
+_U33 = np.uint64(33)
+_M1 = np.uint64(M1)
+_M2 = np.uint64(M2)
+_SEED = np.uint64(INDEX_SEED)
+_GOLD = np.uint64(GOLDEN)
+
+
+def to_signed(x: int) -> int:
+    """The int64 with the same 64-bit pattern as the unsigned int ``x``."""
+    x &= U64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# ---------------------------------------------------------------- numba (uint64 arithmetic)
+
+
+@njit(cache=True, inline="always")
+def fmix64_nb(x: np.uint64) -> np.uint64:
+    x ^= x >> _U33
+    x *= _M1
+    x ^= x >> _U33
+    x *= _M2
+    x ^= x >> _U33
+    return x
+
+
+@njit(cache=True, inline="always")
+def index_hash_nb(key: np.int64) -> np.uint64:
+    return fmix64_nb(np.uint64(key) ^ _SEED)
+
+
+@njit(cache=True, inline="always")
+def bucket_of_nb(h: np.uint64, num_buckets: np.int64) -> np.int64:
+    return np.int64(((h >> np.uint64(33)) * np.uint64(num_buckets)) >> np.uint64(31))
+
+
+@njit(cache=True, inline="always")
+def digest_of_nb(h: np.uint64) -> np.uint8:
+    return np.uint8(2 + ((h >> np.uint64(8)) & np.uint64(0xFF)) % np.uint64(254))
+
+
+@njit(cache=True, inline="always")
+def element_hash_nb(key_mix: np.uint64, counter: np.int64) -> np.uint64:
+    return fmix64_nb(key_mix + np.uint64(counter) * _GOLD)
+
+
+# ---------------------------------------------------------------- torch (int64, wrapping)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 fmix64 of each int64 bit pattern.
+
+    Args:
+        x: int64 tensor of any shape, any device.
+    Returns:
+        int64 tensor of the same shape holding the unsigned result's bit pattern.
+    """
+    if x.dtype != torch.int64:
+        raise TypeError(f"fmix64 expects int64, found {x.dtype}")
+    x = x ^ _srl(x, 33)
+    x = x * to_signed(M1)
+    x = x ^ _srl(x, 33)
+    x = x * to_signed(M2)
+    return x ^ _srl(x, 33)
+
+
+def umod(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x mod m`` treating int64 ``x`` as unsigned 64-bit (``0 < m < 2**62``)."""
+    half = _srl(x, 1) % m
+    return (half * 2 + (x & 1)) % m
+
+
+def index_hash(keys: torch.Tensor) -> torch.Tensor:
+    return fmix64(keys ^ to_signed(INDEX_SEED))
+
+
+def bucket_of(h: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    return (_srl(h, 33) * num_buckets) >> 31
+
+
+def digest_of(h: torch.Tensor) -> torch.Tensor:
+    return (2 + (_srl(h, 8) & 0xFF) % 254).to(torch.uint8)
+
+
+def element_hash(key_mix: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
+    if isinstance(counter, int):
+        return fmix64(key_mix + to_signed(counter * GOLDEN))
+    return fmix64(key_mix + counter * to_signed(GOLDEN))

@@ -1,0 +1,211 @@
+"""Compiled (numba, single-threaded) hash-index kernels on zero-copy numpy views.
+
+Index layout (HierarchicalKV-style): ``num_buckets`` buckets of ``width`` slots (a power of two).
+Per slot: ``keys`` int64, ``scores`` int64, ``digests`` uint8 (0 empty, 1 erased, 2..255 the
+key's digest) and ``pins`` int32 scratch (-1 free; -2 pinned by the running lookup; >= 0 the
+lookup's unique index). A key lives in bucket ``bucket_of(h)``; inside it, linear probing starts
+at ``h & (width - 1)`` and wraps. Digests are compared before keys (a fast negative match).
+Erase leaves a tombstone, so a probe stops only at an empty slot, and insertion reuses the first
+tombstone it passed. A bucket without a free slot evicts its lowest-score slot that the running
+lookup has not pinned (never a key the same lookup found or inserted).
+
+Counts are added to ``counts`` (int64): see the ``C_*`` indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from dynemb.batch import EMPTY_KEY
+from dynemb.kernels.hashing import bucket_of_nb, digest_of_nb, index_hash_nb
+
+D_EMPTY = 0
+D_ERASED = 1
+
+P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION = 0, 1, 2, 3, 4
+
+C_FOUND, C_INSERTED, C_EVICTED, C_FAILED, C_SIZE_DELTA = 0, 1, 2, 3, 4
+NUM_COUNTS = 5
+
+PIN_FREE = -1
+PIN_HELD = -2
+_MAX_SCORE = np.iinfo(np.int64).max
+
+
+@njit(cache=True, inline="always")
+def _probe(ikeys, dig, key, num_buckets, bmask):
+    """Returns (slot of key or -1, first free slot on the probe path or -1, bucket base, digest)."""
+    h = index_hash_nb(key)
+    width = bmask + 1
+    base = bucket_of_nb(h, num_buckets) * width
+    start = np.int64(h & np.uint64(bmask))
+    d = digest_of_nb(h)
+    free = -1
+    for i in range(width):
+        s = base + ((start + i) & bmask)
+        ds = dig[s]
+        if ds == d:
+            if ikeys[s] == key:
+                return s, free, base, d
+        elif ds == D_EMPTY:
+            if free < 0:
+                free = s
+            return -1, free, base, d
+        elif ds == D_ERASED and free < 0:
+            free = s
+    return -1, free, base, d
+
+
+@njit(cache=True, inline="always")
+def _touch(iscores, s, policy, step, custom, i):
+    if policy == P_LFU:
+        iscores[s] += 1
+    elif policy == P_LRU or policy == P_NO_EVICTION:
+        iscores[s] = step
+    elif policy == P_CUSTOM and custom.shape[0] > 0:
+        iscores[s] = custom[i]
+
+
+@njit(cache=True)
+def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, policy, step,
+              touch, pin, out_slots, counts):
+    """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
+    per occurrence; with ``pin`` found slots are pinned for the rest of the lookup."""
+    found = 0
+    for i in range(keys.shape[0]):
+        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        out_slots[i] = s
+        if s >= 0:
+            found += 1
+            if touch:
+                _touch(iscores, s, policy, step, custom, i)
+            if pin and pins[s] == PIN_FREE:
+                pins[s] = PIN_HELD
+    counts[C_FOUND] += found
+
+
+@njit(cache=True, inline="always")
+def _lowest_unpinned(iscores, pins, base, width):
+    best = -1
+    best_score = _MAX_SCORE
+    for j in range(width):
+        t = base + j
+        if pins[t] == PIN_FREE and (best < 0 or iscores[t] < best_score):
+            best = t
+            best_score = iscores[t]
+    return best, best_score
+
+
+@njit(cache=True)
+def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, policy, step,
+                out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
+    """Inserts keys that were missing (duplicates allowed: later ones find the first).
+
+    ``out_slots[i]`` = the key's slot, or -1 when it could not get one (no free slot and nothing
+    evictable, or a CUSTOM score below the bucket's lowest). Evicted (key, slot, score) triples
+    are written to ``ev_*``; returns how many.
+    """
+    width = bmask + 1
+    n_ev = 0
+    n_ins = 0
+    n_fail = 0
+    n_new = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s, free, base, d = _probe(ikeys, dig, k, num_buckets, bmask)
+        if s >= 0:
+            out_slots[i] = s
+            _touch(iscores, s, policy, step, custom, i)
+            continue
+        if policy == P_LFU:
+            score = 1
+        elif policy == P_CUSTOM:
+            score = custom[i] if custom.shape[0] > 0 else step
+        else:
+            score = step
+        if free < 0:
+            if policy == P_NO_EVICTION:
+                out_slots[i] = -1
+                n_fail += 1
+                continue
+            best, best_score = _lowest_unpinned(iscores, pins, base, width)
+            if best < 0 or (policy == P_CUSTOM and score < best_score):
+                out_slots[i] = -1
+                n_fail += 1
+                continue
+            ev_keys[n_ev] = ikeys[best]
+            ev_slots[n_ev] = best
+            ev_scores[n_ev] = best_score
+            n_ev += 1
+            free = best
+        else:
+            n_new += 1
+        ikeys[free] = k
+        dig[free] = d
+        iscores[free] = score
+        pins[free] = PIN_HELD
+        out_slots[i] = free
+        inserted[i] = True
+        n_ins += 1
+    counts[C_INSERTED] += n_ins
+    counts[C_EVICTED] += n_ev
+    counts[C_FAILED] += n_fail
+    counts[C_SIZE_DELTA] += n_new
+    return n_ev
+
+
+@njit(cache=True)
+def finish(slots, pins, inverse, unique_slots, unique_pos):
+    """Numbers the distinct slots of one lookup and releases its pins.
+
+    Every occurrence without a slot (-1) gets its own unique index. Writes ``inverse[i]`` (the
+    unique index of occurrence i), ``unique_slots[u]`` and ``unique_pos[u]`` (first occurrence);
+    returns the number of unique entries U.
+    """
+    n_unique = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0:
+            u = n_unique
+            unique_slots[u] = -1
+            unique_pos[u] = i
+            n_unique += 1
+        else:
+            u = pins[s]
+            if u < 0:
+                u = n_unique
+                pins[s] = u
+                unique_slots[u] = s
+                unique_pos[u] = i
+                n_unique += 1
+        inverse[i] = u
+    for u in range(n_unique):
+        s = unique_slots[u]
+        if s >= 0:
+            pins[s] = PIN_FREE
+    return n_unique
+
+
+@njit(cache=True)
+def unpin(slots, pins):
+    """Releases pins of ``slots`` (>= 0), e.g. after a lookup failed part-way."""
+    for i in range(slots.shape[0]):
+        if slots[i] >= 0:
+            pins[slots[i]] = PIN_FREE
+
+
+@njit(cache=True)
+def erase(keys, ikeys, iscores, dig, num_buckets, bmask, out_slots, counts):
+    """Erases keys present; ``out_slots[i]`` = the slot it had or -1. Returns how many."""
+    n = 0
+    for i in range(keys.shape[0]):
+        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        out_slots[i] = s
+        if s >= 0:
+            ikeys[s] = EMPTY_KEY
+            dig[s] = D_ERASED
+            iscores[s] = 0
+            n += 1
+    counts[C_SIZE_DELTA] -= n
+    return n

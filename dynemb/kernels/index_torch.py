@@ -1,0 +1,161 @@
+"""Pure-torch, vectorised twins of the hash-index kernels (the reference; also runs on CUDA).
+
+Same layout and same observable behaviour as :mod:`dynemb.kernels.index_numba` (which keys are
+found, inserted, evicted or fail; tie-breaks included), though a key may sit in another slot of
+its bucket: a key is matched against the whole bucket row at once, so no probe order is needed.
+Functions take the index state ``ix`` (keys, scores, digests, pins, counts tensors and
+``num_buckets``/``width``) and mutate it in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels.hashing import bucket_of, digest_of, index_hash
+from dynemb.kernels.index_numba import (
+    C_EVICTED, C_FAILED, C_FOUND, C_INSERTED, C_SIZE_DELTA, EMPTY_KEY, P_CUSTOM, P_LFU, P_LRU,
+    P_NO_EVICTION, PIN_FREE, PIN_HELD,
+)
+
+_I64_MAX = torch.iinfo(torch.int64).max
+
+
+def _locate(ix, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket of each key, slot of each key or -1)."""
+    b = bucket_of(index_hash(keys), ix.num_buckets)
+    rows = ix.keys.view(ix.num_buckets, ix.width)[b]
+    match = rows == keys[:, None]
+    col = match.to(torch.int8).argmax(dim=1)
+    slots = torch.where(match.any(dim=1), b * ix.width + col, -1)
+    return b, slots
+
+
+def _touch(ix, slots: torch.Tensor, custom: torch.Tensor, policy: int, step: int) -> None:
+    if policy == P_LFU:
+        ix.scores.index_add_(0, slots, torch.ones_like(slots))
+    elif policy in (P_LRU, P_NO_EVICTION):
+        ix.scores[slots] = step
+    elif policy == P_CUSTOM and custom.numel() > 0:
+        ix.scores[slots] = custom
+
+
+def find_pass(ix, keys, custom, policy: int, step: int, touch: bool, pin: bool) -> torch.Tensor:
+    _, slots = _locate(ix, keys)
+    hit = slots >= 0
+    found = slots[hit]
+    if touch:
+        _touch(ix, found, custom[hit] if custom.numel() else custom, policy, step)
+    if pin:
+        ix.pins[found] = torch.where(ix.pins[found] == PIN_FREE, PIN_HELD, ix.pins[found])
+    ix.counts[C_FOUND] += int(hit.sum())
+    return slots
+
+
+def _first_occurrence_unique(keys: torch.Tensor):
+    """Distinct keys in order of first occurrence: (keys, inverse, counts, first position)."""
+    uk, inv, cnt = torch.unique(keys, return_inverse=True, return_counts=True)
+    pos = torch.arange(keys.numel(), device=keys.device)
+    first = torch.full_like(uk, keys.numel()).scatter_reduce(0, inv, pos, "amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=keys.device)
+    return uk[order], rank[inv], cnt[order], first[order]
+
+
+def _candidates(ix, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each bucket, its slots in the order new keys take them: free slots, then unpinned
+    ones by ascending score (ties by slot), then pinned ones. Returns (slots, kind) with kind
+    0 free, 1 evictable, 2 pinned; both (len(buckets), width)."""
+    w = ix.width
+    slots = buckets[:, None] * w + torch.arange(w, device=buckets.device)
+    free = ix.digests[slots] <= 1
+    pinned = ix.pins[slots] != PIN_FREE
+    key = torch.where(free, torch.iinfo(torch.int64).min, ix.scores[slots])
+    key = torch.where(pinned & ~free, _I64_MAX, key)
+    order = torch.sort(key, dim=1, stable=True).indices
+    kind = torch.where(free, 0, torch.where(pinned, 2, 1)).gather(1, order)
+    return slots.gather(1, order), kind
+
+
+def insert_pass(ix, keys, custom, policy: int, step: int):
+    """Inserts missing keys (duplicates allowed). Returns (slots (N,), inserted (N,) bool,
+    evicted keys, evicted slots, evicted scores)."""
+    dev = keys.device
+    uk, inv, cnt, first = _first_occurrence_unique(keys)
+    if policy == P_LFU:
+        new_score = cnt.clone()
+    elif policy == P_CUSTOM and custom.numel() > 0:
+        new_score = custom[first]
+    else:
+        new_score = torch.full_like(uk, step)
+    h = index_hash(uk)
+    b = bucket_of(h, ix.num_buckets)
+    order = torch.argsort(b, stable=True)
+    tb, per_bucket = torch.unique_consecutive(b[order], return_counts=True)
+    starts = torch.cumsum(per_bucket, 0) - per_bucket
+    rank = torch.arange(uk.numel(), device=dev) - torch.repeat_interleave(starts, per_bucket)
+    which = torch.repeat_interleave(torch.arange(tb.numel(), device=dev), per_bucket)
+    cand_slots, cand_kind = _candidates(ix, tb)
+    ok_rank = rank < ix.width
+    r = rank.clamp(max=ix.width - 1)
+    slot_o = cand_slots[which, r]
+    kind_o = torch.where(ok_rank, cand_kind[which, r], 2)
+    score_o = new_score[order]
+    victim = ix.scores[slot_o]
+    evict = kind_o == 1
+    if policy == P_NO_EVICTION:
+        evict = torch.zeros_like(evict)
+    elif policy == P_CUSTOM:
+        evict = evict & (score_o >= victim)
+    take = (kind_o == 0) | evict
+    ev_slots = slot_o[evict]
+    ev = (ix.keys[ev_slots].clone(), ev_slots, victim[evict].clone())
+    put = slot_o[take]
+    ix.keys[put] = uk[order][take]
+    ix.digests[put] = digest_of(h[order][take])
+    ix.scores[put] = score_o[take]
+    ix.pins[put] = PIN_HELD
+    slot_u = torch.full_like(uk, -1)
+    slot_u[order] = torch.where(take, slot_o, -1)
+    slots = slot_u[inv]
+    inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=dev)
+    inserted[first] = slot_u >= 0
+    if policy == P_CUSTOM and custom.numel() > 0:  # later duplicates re-touch (numba order)
+        dup = (slots >= 0) & ~inserted
+        ix.scores[slots[dup]] = custom[dup]
+    ix.counts[C_INSERTED] += int(take.sum())
+    ix.counts[C_EVICTED] += int(evict.sum())
+    ix.counts[C_FAILED] += int((slots < 0).sum())
+    ix.counts[C_SIZE_DELTA] += int((kind_o == 0).sum())
+    return slots, inserted, ev
+
+
+def finish(ix, slots: torch.Tensor):
+    """(inverse (N,), unique_slots (U,), unique_pos (U,)); releases pins. Occurrences without a
+    slot each get their own unique entry."""
+    dev = slots.device
+    valid = slots >= 0
+    us, inv = torch.unique(slots[valid], return_inverse=True)
+    pos = torch.arange(slots.numel(), device=dev)
+    miss = pos[~valid]
+    inverse = torch.empty_like(slots)
+    inverse[valid] = inv
+    inverse[~valid] = us.numel() + torch.arange(miss.numel(), device=dev)
+    first = torch.full_like(us, slots.numel()).scatter_reduce(0, inv, pos[valid], "amin")
+    ix.pins[us] = PIN_FREE
+    unique_slots = torch.cat([us, torch.full_like(miss, -1)])
+    return inverse, unique_slots, torch.cat([first, miss])
+
+
+def unpin(ix, slots: torch.Tensor) -> None:
+    ix.pins[slots[slots >= 0]] = PIN_FREE
+
+
+def erase(ix, keys: torch.Tensor) -> torch.Tensor:
+    _, slots = _locate(ix, keys)
+    hit = slots[slots >= 0]
+    ix.keys[hit] = EMPTY_KEY
+    ix.digests[hit] = 1
+    ix.scores[hit] = 0
+    ix.counts[C_SIZE_DELTA] -= hit.numel()
+    return slots

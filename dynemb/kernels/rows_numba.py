@@ -1,0 +1,149 @@
+"""Compiled (numba, single-threaded) row kernels: initialisation, gathers and fused optimizer
+updates. A row is ``[embedding (dim) | optimizer state]`` in a float32 ``rows`` array.
+
+Optimizer kernels take per-unique-key gradients ``grads`` (U, dim) float32 and the slots (U,)
+of those keys; a slot < 0 (a key without a row) is skipped. They follow the torch.optim rules
+in float32 so results match torch to rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from dynemb.kernels.hashing import element_hash_nb, fmix64_nb
+
+INIT_NORMAL, INIT_TRUNCATED_NORMAL, INIT_UNIFORM, INIT_CONSTANT = 0, 1, 2, 3
+QUANTILE_BITS = 16
+"""Normal draws interpolate a table of 2**16 + 1 quantiles of the standard normal truncated at
+±bound (NORMAL uses bound 6, a cut of 2e-9 of the mass): 32 random bits per element, two
+elements per 64-bit hash, no transcendental functions, identical values in both backends."""
+NORMAL_BOUND = 6.0
+_U32 = np.uint64(32)
+_LO32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True, inline="always")
+def _bits32(key_mix, j):
+    """32 random bits for element j of a row."""
+    h = element_hash_nb(key_mix, j >> 1)
+    return (h >> _U32) if j & 1 else (h & _LO32)
+
+
+@njit(cache=True)
+def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, table_mix):
+    """Writes ``dst[dst_rows[m], :dim]`` = initial embedding of ``keys[m]`` and the rest of that
+    row = ``state_value``.
+
+    ``kind``: INIT_*; ``(a, b)``: (mean, std) for the normals with ``quantiles`` (2**16 + 1,)
+    float64, (low, high) for UNIFORM, (value, -) for CONSTANT.
+    """
+    width = dst.shape[1]
+    tmix = np.uint64(table_mix)
+    for m in range(keys.shape[0]):
+        r = dst_rows[m]
+        key_mix = fmix64_nb(np.uint64(keys[m]) ^ tmix)
+        for j in range(dim):
+            if kind == INIT_CONSTANT:
+                v = a
+            elif kind == INIT_UNIFORM:
+                v = a + (b - a) * ((np.float64(_bits32(key_mix, j)) + 0.5) * 2.0**-32)
+            else:
+                bits = _bits32(key_mix, j)
+                i = np.int64(bits >> np.uint64(QUANTILE_BITS))
+                f = np.float64(bits & np.uint64(0xFFFF)) * 2.0**-16
+                q0 = quantiles[i]
+                v = a + b * (q0 + f * (quantiles[i + 1] - q0))
+            dst[r, j] = v
+        for j in range(dim, width):
+            dst[r, j] = state_value
+
+
+@njit(cache=True)
+def gather(rows, slots, dim, out):
+    """``out[u] = rows[slots[u], :dim]`` for slots >= 0 (others are left as they are)."""
+    for u in range(slots.shape[0]):
+        s = slots[u]
+        if s >= 0:
+            for j in range(dim):
+                out[u, j] = rows[s, j]
+
+
+@njit(cache=True)
+def sgd(rows, slots, grads, lr, wd):
+    lr = np.float32(lr)
+    wd = np.float32(wd)
+    dim = grads.shape[1]
+    for u in range(slots.shape[0]):
+        s = slots[u]
+        if s < 0:
+            continue
+        for j in range(dim):
+            w = rows[s, j]
+            rows[s, j] = w - lr * (grads[u, j] + wd * w)
+
+
+@njit(cache=True)
+def adagrad(rows, slots, grads, clr, eps, wd):
+    clr = np.float32(clr)
+    eps = np.float32(eps)
+    wd = np.float32(wd)
+    dim = grads.shape[1]
+    for u in range(slots.shape[0]):
+        s = slots[u]
+        if s < 0:
+            continue
+        for j in range(dim):
+            w = rows[s, j]
+            g = grads[u, j] + wd * w
+            acc = rows[s, dim + j] + g * g
+            rows[s, dim + j] = acc
+            rows[s, j] = w - clr * (g / (np.sqrt(acc) + eps))
+
+
+@njit(cache=True)
+def rowwise_adagrad(rows, slots, grads, clr, eps, wd):
+    clr = np.float32(clr)
+    eps = np.float32(eps)
+    wd = np.float32(wd)
+    dim = grads.shape[1]
+    for u in range(slots.shape[0]):
+        s = slots[u]
+        if s < 0:
+            continue
+        sq = np.float32(0.0)
+        for j in range(dim):
+            g = grads[u, j] + wd * rows[s, j]
+            sq += g * g
+        acc = rows[s, dim] + sq / np.float32(dim)
+        rows[s, dim] = acc
+        scale = clr / (np.sqrt(acc) + eps)
+        for j in range(dim):
+            w = rows[s, j]
+            rows[s, j] = w - scale * (grads[u, j] + wd * w)
+
+
+@njit(cache=True)
+def adam(rows, slots, grads, step_size, beta1, beta2, eps, wd):
+    """SparseAdam: ``m += (g - m)(1 - b1)``, ``v += (g² - v)(1 - b2)``,
+    ``w -= step_size * m / (sqrt(v) + eps)`` with step_size = lr·sqrt(1 - b2^t)/(1 - b1^t)."""
+    step_size = np.float32(step_size)
+    one_b1 = np.float32(1.0 - beta1)
+    one_b2 = np.float32(1.0 - beta2)
+    eps = np.float32(eps)
+    wd = np.float32(wd)
+    dim = grads.shape[1]
+    for u in range(slots.shape[0]):
+        s = slots[u]
+        if s < 0:
+            continue
+        for j in range(dim):
+            w = rows[s, j]
+            g = grads[u, j] + wd * w
+            m = rows[s, dim + j]
+            v = rows[s, 2 * dim + j]
+            m = m + (g - m) * one_b1
+            v = v + (g * g - v) * one_b2
+            rows[s, dim + j] = m
+            rows[s, 2 * dim + j] = v
+            rows[s, j] = w - step_size * (m / (np.sqrt(v) + eps))

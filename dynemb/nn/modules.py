@@ -1,0 +1,186 @@
+"""EmbeddingBagCollection (pooled) and EmbeddingCollection (one row per id) over dynamic tables.
+
+One lookup per table per forward: the ids of all its features are resolved together into U
+unique rows (U, dim), which autograd sees as one tensor; pooling runs on those rows with
+``torch.nn.functional.embedding_bag``. In backward the summed gradient of each unique row reaches
+the table's fused optimizer, which updates the rows in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dynemb.batch import SparseBatch
+from dynemb.config import PoolingMode, TableConfig
+from dynemb.errors import ConfigError, InputError
+from dynemb.table.table import DynamicTable, Lookup
+
+
+@dataclass
+class _LookupState:
+    """What the autograd boundary needs: the table and its resolved lookup."""
+
+    table: DynamicTable
+    lookup: Lookup
+
+
+class _RowsFn(torch.autograd.Function):
+    """(U, dim) rows of one lookup; backward applies the fused optimizer to them."""
+
+    @staticmethod
+    def forward(ctx, state: _LookupState, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.state = state
+        return state.table.embeddings(state.lookup)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        state = ctx.state
+        state.table.apply_gradients(state.lookup, grad)
+        return None, None
+
+
+class KeyedEmbeddings:
+    """Pooled embeddings of several features: ``values()`` (B, Σdim) in ``keys()`` order."""
+
+    def __init__(self, keys: Sequence[str], dims: Sequence[int], values: torch.Tensor) -> None:
+        self._keys = tuple(keys)
+        self._dims = tuple(dims)
+        self._values = values
+        starts = [0]
+        for d in self._dims:
+            starts.append(starts[-1] + d)
+        self._slices = {k: (starts[i], starts[i + 1]) for i, k in enumerate(self._keys)}
+
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def dims(self) -> tuple[int, ...]:
+        return self._dims
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._slices:
+            raise KeyError(f"no feature {key!r}; have {list(self._keys)}")
+        lo, hi = self._slices[key]
+        return self._values[:, lo:hi]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {k: self[k] for k in self._keys}
+
+    def __repr__(self) -> str:
+        return f"KeyedEmbeddings(keys={list(self._keys)}, values={tuple(self._values.shape)})"
+
+
+@dataclass(frozen=True)
+class JaggedEmbeddings:
+    """Unpooled embeddings of one feature: ``values`` (N, dim), one row per id, and the bag
+    ``lengths`` (B,)."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    def offsets(self) -> torch.Tensor:
+        """(B + 1,) start of each bag in ``values``, then N."""
+        return torch.cat([self.lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
+
+    def split(self) -> list[torch.Tensor]:
+        """One (length, dim) tensor per sample."""
+        return list(torch.split(self.values, self.lengths.tolist()))
+
+
+class _Collection(torch.nn.Module):
+    def __init__(self, tables: Sequence[TableConfig], *, device: torch.device | str | None = None,
+                 backend: str | None = None) -> None:
+        super().__init__()
+        tables = list(tables)
+        if not tables or not all(isinstance(t, TableConfig) for t in tables):
+            raise ConfigError(f"{type(self).__name__}: expected a non-empty list of TableConfig, "
+                              f"found {tables!r}.")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{type(self).__name__}: table names must be distinct, found {names}.")
+        owner: dict[str, str] = {}
+        for t in tables:
+            for f in t.features:
+                if f in owner:
+                    raise ConfigError(f"{type(self).__name__}: feature {f!r} is in tables "
+                                      f"{owner[f]!r} and {t.name!r}; a feature has one table.")
+                owner[f] = t.name
+        self.device = torch.device(device or "cpu")
+        self.tables: dict[str, DynamicTable] = {
+            t.name: DynamicTable(t, device=self.device, backend=backend) for t in tables}
+        self.feature_names: tuple[str, ...] = tuple(f for t in tables for f in t.features)
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def _check_batch(self, batch: SparseBatch) -> None:
+        if not isinstance(batch, SparseBatch):
+            raise InputError(f"{type(self).__name__}: expected a SparseBatch, found {type(batch).__name__}.")
+        unknown = sorted(set(batch.features) - set(self.feature_names))
+        missing = sorted(set(self.feature_names) - set(batch.features))
+        if unknown or missing:
+            raise InputError(f"{type(self).__name__}: batch features do not match the tables: "
+                             f"unknown {unknown}, missing {missing}; expected {list(self.feature_names)}.")
+
+    def _table_rows(self, table: DynamicTable, batch: SparseBatch):
+        """Resolves all features of ``table`` at once: ((U, dim) rows, per-feature
+        (inverse ids, lengths, weights))."""
+        parts = [batch.feature(f) for f in table.config.features]
+        keys = torch.cat([p[0] for p in parts]).to(self.device)
+        lk = table.lookup(keys, train=self.training)
+        if self.training and torch.is_grad_enabled():
+            rows = _RowsFn.apply(_LookupState(table, lk), self._anchor)
+        else:
+            rows = table.embeddings(lk)
+        inverse = torch.split(lk.inverse, [p[0].numel() for p in parts])
+        return rows, [(inv, p[1].to(self.device), p[2]) for inv, p in zip(inverse, parts)]
+
+
+class EmbeddingBagCollection(_Collection):
+    """Pooled lookups: for each feature, the SUM or MEAN (table ``pooling``) of its bag's rows,
+    optionally weighted per id; MEAN divides the weighted sum by the bag length (an empty bag
+    gives zeros). Returns :class:`KeyedEmbeddings` (B, Σdim).
+
+    Args:
+        tables: table configs (distinct names; each feature in one table).
+        device: where tables live and outputs are made (default CPU).
+        backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
+    """
+
+    def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
+        self._check_batch(batch)
+        outs, keys, dims = [], [], []
+        for table in self.tables.values():
+            rows, feats = self._table_rows(table, batch)
+            for name, (inv, lengths, weights) in zip(table.config.features, feats):
+                offsets = torch.cumsum(lengths, 0) - lengths
+                w = None if weights is None else weights.to(device=self.device, dtype=rows.dtype)
+                pooled = F.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=w)
+                if table.config.pooling == PoolingMode.MEAN:
+                    pooled = pooled / lengths.clamp(min=1).to(rows.dtype)[:, None]
+                outs.append(pooled)
+                keys.append(name)
+                dims.append(table.dim)
+        return KeyedEmbeddings(keys, dims, torch.cat(outs, dim=1))
+
+
+class EmbeddingCollection(_Collection):
+    """Unpooled lookups: one row per id. Returns ``{feature: JaggedEmbeddings}``. Per-id weights
+    are not used here: a weighted batch is refused."""
+
+    def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
+        self._check_batch(batch)
+        if batch.weights is not None:
+            raise InputError("EmbeddingCollection: the batch has per-id weights, which an "
+                             "unpooled lookup cannot apply; pass the batch without weights.")
+        out: dict[str, JaggedEmbeddings] = {}
+        for table in self.tables.values():
+            rows, feats = self._table_rows(table, batch)
+            for name, (inv, lengths, _) in zip(table.config.features, feats):
+                out[name] = JaggedEmbeddings(values=F.embedding(inv, rows), lengths=lengths)
+        return out

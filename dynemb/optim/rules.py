@@ -1,0 +1,68 @@
+"""The fused sparse optimizers: what state a row carries and how a gradient updates it.
+
+A row is ``[embedding (dim) | state (state_width)]``. ``RowOptimizer.apply`` takes the summed
+gradient of each unique key (U, dim) and updates those rows in place through the table's kernel
+backend; hyper-parameters and bias corrections are computed here, once per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynemb.config import SGD, Adagrad, Adam, OptimizerConfig, RowWiseAdagrad
+from dynemb.errors import ConfigError
+
+
+def state_width(config: OptimizerConfig, dim: int) -> int:
+    """Float32 elements of optimizer state per row."""
+    kind = type(config)
+    if kind is SGD:
+        return 0
+    if kind is Adagrad:
+        return dim
+    if kind is RowWiseAdagrad:
+        return 1
+    if kind is Adam:
+        return 2 * dim
+    raise ConfigError(f"optimizer: expected SGD, Adagrad, RowWiseAdagrad or Adam, found {kind.__name__}.")
+
+
+class RowOptimizer:
+    """Applies one optimizer config to rows; counts its own global step (Adam, Adagrad decay)."""
+
+    def __init__(self, config: OptimizerConfig, dim: int) -> None:
+        self.config = config
+        self.dim = dim
+        self.state_width = state_width(config, dim)
+        self.initial_state = (config.initial_accumulator_value
+                              if isinstance(config, Adagrad) else 0.0)
+        self.step = 0
+
+    def clip_(self, grads: torch.Tensor, valid: torch.Tensor) -> None:
+        """Scales ``grads`` in place so the L2 norm of its valid rows is at most max_grad_norm."""
+        max_norm = self.config.max_grad_norm
+        if max_norm is None:
+            return
+        total = torch.linalg.vector_norm(grads[valid].double())
+        scale = max_norm / (float(total) + 1e-6)
+        if scale < 1.0:
+            grads.mul_(scale)
+
+    def apply(self, backend, rows: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """One update of the rows at ``slots`` (U,) (-1 skipped) with ``grads`` (U, dim) float32."""
+        self.step += 1
+        c, t = self.config, self.step
+        self.clip_(grads, slots >= 0)
+        kind = type(c)
+        if kind is SGD:
+            backend.optimizer("sgd")(rows, slots, grads, c.lr, c.weight_decay)
+        elif kind in (Adagrad, RowWiseAdagrad):
+            clr = c.lr / (1.0 + (t - 1) * c.lr_decay)
+            name = "adagrad" if kind is Adagrad else "rowwise_adagrad"
+            backend.optimizer(name)(rows, slots, grads, clr, c.eps, c.weight_decay)
+        else:
+            b1, b2 = c.betas
+            step_size = c.lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+            backend.optimizer("adam")(rows, slots, grads, step_size, b1, b2, c.eps, c.weight_decay)

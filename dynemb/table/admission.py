@@ -1,0 +1,48 @@
+"""Frequency admission: a bounded counter table decides which new keys get a row."""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.config import Admission
+from dynemb.kernels.index_numba import C_EVICTED, P_LFU
+from dynemb.table.index import HashIndex
+from dynemb.table.memory import COUNTER_BUCKET
+
+_NO_SCORES = torch.empty(0, dtype=torch.int64)
+
+
+class AdmissionFilter:
+    """Counts occurrences of keys without a row; admits a key once its count reaches the
+    threshold (and forgets it then). When the counter table is full, its least-counted key that
+    this call did not touch is evicted (counted in ``counter_evictions``)."""
+
+    def __init__(self, config: Admission, device: torch.device, backend) -> None:
+        self.threshold = config.threshold
+        self.index = HashIndex(config.counter_capacity, COUNTER_BUCKET, device, backend)
+        self._no_scores = _NO_SCORES.to(device)
+
+    def admit(self, keys: torch.Tensor) -> torch.Tensor:
+        """Counts every occurrence in ``keys`` (N,) int64; returns the (N,) bool mask of
+        occurrences whose key reached the threshold."""
+        ix, be = self.index, self.index.backend
+        slots = be.find(ix, keys, self._no_scores, P_LFU, 0, True, True)
+        miss = slots < 0
+        if bool(miss.any()):
+            new_slots, _, _ = be.insert(ix, keys[miss], self._no_scores, P_LFU, 0)
+            slots[miss] = new_slots
+        be.unpin(ix, slots)
+        counted = slots >= 0
+        counts = torch.zeros_like(keys)
+        counts[counted] = ix.scores[slots[counted]]
+        admitted = counts >= self.threshold
+        if bool(admitted.any()):
+            be.erase(ix, torch.unique(keys[admitted]))
+        return admitted
+
+    @property
+    def counter_evictions(self) -> int:
+        return self.index.count(C_EVICTED)
+
+    def size(self) -> int:
+        return self.index.size()

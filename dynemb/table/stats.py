@@ -1,0 +1,91 @@
+"""Result records of table operations and the table's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FindResult:
+    """``values`` (N, dim): the row of each key, or the eval initializer where ``found`` (N,) is
+    False."""
+
+    values: torch.Tensor
+    found: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Rows a call evicted, with everything needed to keep them elsewhere (E rows)."""
+
+    keys: torch.Tensor
+    """(E,) int64."""
+    embeddings: torch.Tensor
+    """(E, dim) float32."""
+    optimizer_state: torch.Tensor
+    """(E, state_width) float32."""
+    scores: torch.Tensor
+    """(E,) int64: the scores they had."""
+
+    def __len__(self) -> int:
+        return self.keys.numel()
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """``values`` (N, dim) after the call; ``inserted`` (N,) bool marks the occurrence that
+    created a row; ``evicted`` the rows pushed out to make room."""
+
+    values: torch.Tensor
+    inserted: torch.Tensor
+    evicted: Evicted
+
+
+@dataclass(frozen=True)
+class ExportBatch:
+    """The occupied slots of a slot range: keys (K,), embeddings (K, dim), optimizer_state
+    (K, state_width), scores (K,)."""
+
+    keys: torch.Tensor
+    embeddings: torch.Tensor
+    optimizer_state: torch.Tensor
+    scores: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableStats:
+    """Counters of one table since it was built. Nothing is dropped silently: every key that did
+    not get a row is in ``failed_inserts`` or ``admission_rejected``."""
+
+    size: int
+    """Rows held."""
+    capacity: int
+    """Slots."""
+    step: int
+    """Score-touching calls so far (training lookups, find_or_insert, insert_or_assign)."""
+    optimizer_step: int
+    """Optimizer updates applied."""
+    lookups: int
+    """Ids looked up by score-touching calls (occurrences)."""
+    hits: int
+    """Lookups (of any call, find included) that found a row."""
+    inserted: int
+    """Rows created."""
+    evicted: int
+    """Rows evicted to make room (returned to the caller)."""
+    failed_inserts: int
+    """Occurrences that could not get a row (full bucket, no eviction possible)."""
+    admission_rejected: int
+    """Occurrences refused by admission (seen fewer than threshold times)."""
+    counter_evictions: int
+    """Keys dropped from the admission counter table when it was full."""
+    erased: int
+    """Rows erased by ``erase``."""
+    stale_updates: int
+    """Gradient rows dropped because their key was evicted between lookup and backward."""
+
+    @property
+    def load_factor(self) -> float:
+        return self.size / self.capacity if self.capacity else 0.0

@@ -1,0 +1,291 @@
+"""DynamicTable: one rank's dynamic embedding table (hash index + rows + admission + init)."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from dynemb.batch import check_keys
+from dynemb.config import Initializer, OnFull, ScorePolicy, TableConfig
+from dynemb.errors import CapacityError, InputError
+from dynemb.kernels.backend import backend_for
+from dynemb.kernels.hashing import GOLDEN, to_signed
+from dynemb.kernels.index_numba import C_EVICTED, C_INSERTED
+from dynemb.optim.rules import RowOptimizer
+from dynemb.table.admission import AdmissionFilter
+from dynemb.table.index import HashIndex
+from dynemb.table.memory import MemoryUsage
+from dynemb.table.stats import (
+    Evicted, ExportBatch, FindResult, InsertResult, TableStats,
+)
+
+logger = logging.getLogger(__name__)
+
+POLICY_CODES = {ScorePolicy.LRU: 0, ScorePolicy.LFU: 1, ScorePolicy.STEP: 2,
+                ScorePolicy.CUSTOM: 3, ScorePolicy.NO_EVICTION: 4}
+
+
+@dataclass
+class Lookup:
+    """One resolved lookup: N key occurrences mapped onto U unique entries.
+
+    ``unique_slots[u]`` is the row of entry u, or -1 (no row: eval mode, not admitted, failed);
+    every occurrence without a row is its own entry. ``epoch`` is the table's eviction epoch
+    after the lookup: if it changed by backward, slots are resolved again by key.
+    """
+
+    unique_keys: torch.Tensor
+    unique_slots: torch.Tensor
+    inverse: torch.Tensor
+    inserted: torch.Tensor | None
+    evicted: Evicted
+    epoch: int
+
+
+def _mix(init: Initializer, name: str) -> int:
+    return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
+
+
+class DynamicTable:
+    """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
+
+    Args:
+        config: the table's configuration.
+        device: where rows and index live (default CPU).
+        backend: "numba" (compiled CPU kernels, the CPU default) or "torch" (vectorised reference,
+            any device).
+    """
+
+    def __init__(self, config: TableConfig, *, device: torch.device | str | None = None,
+                 backend: str | None = None) -> None:
+        self.config = config
+        self.name = config.name
+        self.dim = config.dim
+        self.device = torch.device(device or "cpu")
+        self.backend = backend_for(self.device, backend)
+        self.index = HashIndex(config.capacity, config.bucket_capacity, self.device, self.backend)
+        self.optimizer = RowOptimizer(config.optimizer, config.dim)
+        self.rows = torch.zeros(self.index.num_slots, config.dim + self.optimizer.state_width,
+                                dtype=torch.float32, device=self.device)
+        self.admission = (None if config.admission is None
+                          else AdmissionFilter(config.admission, self.device, self.backend))
+        self.step = 0
+        self._policy = POLICY_CODES[config.score]
+        self._init_mix = _mix(config.initializer, config.name)
+        self._eval_mix = _mix(config.eval_initializer, config.name)
+        self._no_scores = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._epoch = 0
+        self._counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ public verbs
+
+    def find(self, keys: torch.Tensor) -> FindResult:
+        """Rows of ``keys`` (N,) int64 without inserting or touching scores."""
+        keys = self._keys(keys, "find")
+        slots = self.backend.find(self.index, keys, self._no_scores, self._policy, self.step,
+                                  False, False)
+        return FindResult(values=self._values(keys, slots), found=slots >= 0)
+
+    def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
+        """Rows of ``keys``, creating (initialising) missing ones; evicts when a bucket is full.
+
+        Admission does not apply here (it filters training lookups). ``scores`` (N,) int64 only
+        with ScorePolicy.CUSTOM.
+        """
+        keys = self._keys(keys, "find_or_insert")
+        lk = self._resolve(keys, touch=True, insert=True, admit=False,
+                           custom=self._scores(scores, keys, "find_or_insert"))
+        values = self.embeddings(lk)[lk.inverse]
+        return InsertResult(values=values, inserted=lk.inserted, evicted=lk.evicted)
+
+    def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor,
+                         scores: torch.Tensor | None = None,
+                         optimizer_state: torch.Tensor | None = None) -> Evicted:
+        """Sets the embeddings (and optionally optimizer state) of distinct ``keys`` (N,),
+        inserting missing ones. Existing rows keep their optimizer state unless given."""
+        keys = self._keys(keys, "insert_or_assign")
+        if keys.numel() != torch.unique(keys).numel():
+            raise InputError(f"table {self.name!r}: insert_or_assign expects distinct keys.")
+        self._check_shape("values", values, (keys.numel(), self.dim))
+        if optimizer_state is not None:
+            self._check_shape("optimizer_state", optimizer_state,
+                              (keys.numel(), self.optimizer.state_width))
+        lk = self._resolve(keys, touch=True, insert=True, admit=False,
+                           custom=self._scores(scores, keys, "insert_or_assign"))
+        slots = lk.unique_slots[lk.inverse]
+        ok = slots >= 0
+        self.rows[slots[ok], :self.dim] = values[ok].to(self.rows)
+        if optimizer_state is not None:
+            self.rows[slots[ok], self.dim:] = optimizer_state[ok].to(self.rows)
+        self._mark_written(slots[ok])
+        return lk.evicted
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Removes ``keys`` that are present; returns how many were."""
+        keys = torch.unique(self._keys(keys, "erase"))
+        n = int((self.backend.erase(self.index, keys) >= 0).sum())
+        if n:
+            self._epoch += 1
+            self._counters["erased"] += n
+        return n
+
+    def export_batch(self, start: int, count: int) -> ExportBatch:
+        """The rows in slots [start, start + count) (iterate start = 0, count, 2·count, ... up to
+        ``capacity()`` to export the whole table)."""
+        if start < 0 or count < 0:
+            raise InputError(f"table {self.name!r}: export_batch needs start, count >= 0, "
+                             f"found {start}, {count}.")
+        slots = self.index.occupied(min(start, self.capacity()), min(start + count, self.capacity()))
+        rows = self.rows[slots]
+        return ExportBatch(keys=self.index.keys[slots], embeddings=rows[:, :self.dim],
+                           optimizer_state=rows[:, self.dim:], scores=self.index.scores[slots])
+
+    def size(self) -> int:
+        return self.index.size()
+
+    def capacity(self) -> int:
+        return self.index.num_slots
+
+    def memory_usage(self) -> MemoryUsage:
+        row_bytes = self.rows.element_size() * self.rows.shape[0]
+        return MemoryUsage(
+            values_bytes=row_bytes * self.dim,
+            optimizer_state_bytes=row_bytes * self.optimizer.state_width,
+            index_bytes=self.index.nbytes(),
+            admission_bytes=0 if self.admission is None else self.admission.index.nbytes())
+
+    def stats(self) -> TableStats:
+        c = self._counters
+        return TableStats(
+            size=self.size(), capacity=self.capacity(), step=self.step,
+            optimizer_step=self.optimizer.step, lookups=c["lookups"], hits=c["hits"],
+            inserted=self.index.count(C_INSERTED), evicted=self.index.count(C_EVICTED),
+            failed_inserts=c["failed_inserts"], admission_rejected=c["admission_rejected"],
+            counter_evictions=0 if self.admission is None else self.admission.counter_evictions,
+            erased=c["erased"], stale_updates=c["stale_updates"])
+
+    # ------------------------------------------------------------------ module path
+
+    def lookup(self, keys: torch.Tensor, *, train: bool) -> Lookup:
+        """Resolves (N,) keys for a module: in training rows are created (through admission) and
+        scores touched; in eval nothing changes."""
+        return self._resolve(keys, touch=train, insert=train, admit=True, custom=None)
+
+    def embeddings(self, lk: Lookup) -> torch.Tensor:
+        """(U, dim) float32: the row of each unique entry, or its eval-initializer row."""
+        return self._values(lk.unique_keys, lk.unique_slots)
+
+    def apply_gradients(self, lk: Lookup, grads: torch.Tensor) -> None:
+        """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry."""
+        slots = lk.unique_slots
+        if lk.epoch != self._epoch:  # rows were evicted or erased since the lookup
+            now = self.backend.find(self.index, lk.unique_keys, self._no_scores, self._policy,
+                                    self.step, False, False)
+            now = torch.where(slots >= 0, now, -1)
+            self._counters["stale_updates"] += int(((slots >= 0) & (now < 0)).sum())
+            slots = now
+        self.optimizer.apply(self.backend, self.rows, slots, grads.to(torch.float32).contiguous())
+        self._mark_written(slots[slots >= 0])
+
+    # ------------------------------------------------------------------ internals
+
+    def _resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
+                 custom: torch.Tensor | None) -> Lookup:
+        be, ix = self.backend, self.index
+        custom = self._no_scores if custom is None else custom
+        if touch:
+            self.step += 1
+        slots = be.find(ix, keys, custom, self._policy, self.step, touch, True)
+        if touch:
+            self._counters["lookups"] += keys.numel()
+            self._counters["hits"] += int((slots >= 0).sum())
+        inserted, evicted, failed = None, self._evicted_none(), 0
+        if insert:
+            inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+            miss = torch.nonzero(slots < 0).flatten()
+            if admit and self.admission is not None and miss.numel():
+                ok = self.admission.admit(keys[miss])
+                self._counters["admission_rejected"] += int((~ok).sum())
+                miss = miss[ok]
+            if miss.numel():
+                mkeys = keys[miss]
+                new_slots, fresh, ev = be.insert(ix, mkeys, custom[miss] if custom.numel() else custom,
+                                                 self._policy, self.step)
+                evicted = self._take_evicted(*ev)
+                be.init_rows(self.rows, new_slots[fresh], mkeys[fresh], self.dim,
+                             self.optimizer.initial_state, self.config.initializer, self._init_mix)
+                slots[miss] = new_slots
+                inserted[miss] = fresh
+                failed = int((new_slots < 0).sum())
+        inverse, unique_slots, unique_pos = be.finish(ix, slots)
+        if failed:
+            self._on_full(failed)
+        return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
+                      inserted=inserted, evicted=evicted, epoch=self._epoch)
+
+    def _values(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
+        self.backend.gather(self.rows, slots, self.dim, out)
+        missing = torch.nonzero(slots < 0).flatten()
+        if missing.numel():
+            self.backend.init_rows(out, missing, keys[missing], self.dim, 0.0,
+                                   self.config.eval_initializer, self._eval_mix)
+        return out
+
+    def _take_evicted(self, keys, slots, scores) -> Evicted:
+        if keys.numel() == 0:
+            return self._evicted_none()
+        self._epoch += 1
+        rows = self.rows[slots]
+        return Evicted(keys=keys, embeddings=rows[:, :self.dim],
+                       optimizer_state=rows[:, self.dim:], scores=scores)
+
+    def _evicted_none(self) -> Evicted:
+        empty = self._no_scores
+        rows = self.rows[:0]
+        return Evicted(keys=empty, embeddings=rows[:, :self.dim],
+                       optimizer_state=rows[:, self.dim:], scores=empty)
+
+    def _mark_written(self, slots: torch.Tensor) -> None:
+        if self.config.score == ScorePolicy.STEP:
+            self.index.scores[slots] = self.step
+
+    def _on_full(self, failed: int) -> None:
+        self._counters["failed_inserts"] += failed
+        if self.config.on_full == OnFull.COUNT:
+            return
+        if self.config.score == ScorePolicy.NO_EVICTION:
+            why = "its bucket is full and score=NO_EVICTION forbids eviction"
+        elif self.config.score == ScorePolicy.CUSTOM:
+            why = "its bucket is full of rows used by this call or with higher custom scores"
+        else:
+            why = "its bucket is full of rows used by this same call (the table is too small for the batch)"
+        msg = (f"table {self.name!r}: {failed} key occurrence(s) could not get a row: {why} "
+               f"(size {self.size()} of capacity {self.capacity()}). Raise capacity, choose an "
+               "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "
+               "initializer and count them in stats().failed_inserts.")
+        if self.config.on_full == OnFull.RAISE:
+            raise CapacityError(msg)
+        logger.warning(msg)
+
+    def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
+        check_keys(keys, f"table {self.name!r}: {verb}")
+        return keys.to(self.device)
+
+    def _scores(self, scores, keys, verb) -> torch.Tensor | None:
+        if scores is None:
+            return None
+        if self.config.score != ScorePolicy.CUSTOM:
+            raise InputError(f"table {self.name!r}: {verb} got scores but the table's score "
+                             f"policy is {self.config.score.name}; scores need ScorePolicy.CUSTOM.")
+        self._check_shape("scores", scores, (keys.numel(),))
+        return scores.to(device=self.device, dtype=torch.int64)
+
+    def _check_shape(self, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise InputError(f"table {self.name!r}: {what} must have shape {shape}, found "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}.")
