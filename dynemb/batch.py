@@ -93,7 +93,7 @@ class SparseBatch:
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             ends = torch.cumsum(per_sample.sum(dim=1), 0)
-            f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=True))
+            f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=False))
             raise InputError(f"SparseBatch: feature {self.features[f]!r}: weight {i} is "
                              f"{float(weights[i])}; weights must be finite.")
 

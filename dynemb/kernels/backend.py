@@ -13,6 +13,8 @@ from dynemb.config import Initializer, InitKind
 from dynemb.errors import ConfigError
 from dynemb.kernels import index_numba as inb
 from dynemb.kernels import index_torch as ito
+from dynemb.kernels import pooling_numba as pnb
+from dynemb.kernels import pooling_torch as pto
 from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels import rows_torch as rto
 
@@ -86,6 +88,15 @@ class NumbaBackend:
     def gather(self, rows, slots, dim, out):
         rnb.gather(_np(rows), _np(slots), dim, _np(out))
 
+    def pool(self, rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
+        pnb.pool(_np(rows), _np(extra), _np(src), _np(inverse), _np(lengths), _np(weights),
+                 batch, dim, mean, _np(out))
+
+    def pool_backward(self, gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean,
+                      grads, wgrad):
+        pnb.pool_backward(_np(gout.contiguous()), _np(rows), _np(extra), _np(src), _np(inverse),
+                          _np(lengths), _np(weights), batch, dim, mean, _np(grads), _np(wgrad))
+
     def optimizer(self, name):
         kernel = getattr(rnb, name)
 
@@ -120,6 +131,12 @@ class TorchBackend:
 
     def gather(self, rows, slots, dim, out):
         rto.gather(rows, slots, dim, out)
+
+    def pool(self, *args):
+        pto.pool(*args)
+
+    def pool_backward(self, *args):
+        pto.pool_backward(*args)
 
     def optimizer(self, name):
         return getattr(rto, name)

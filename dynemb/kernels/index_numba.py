@@ -33,16 +33,80 @@ PIN_HELD = -2
 _MAX_SCORE = np.iinfo(np.int64).max
 
 
+_LO7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_ONES = np.uint64(0x0101010101010101)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_BYTE_INDEX = np.uint64(0x0001020304050607)
+_U7 = np.uint64(7)
+_U56 = np.uint64(56)
+PREFIX = 8  # slots probed one by one before the 8-at-a-time scan (MIN_BUCKET)
+
+
 @njit(cache=True, inline="always")
-def _probe(ikeys, dig, key, num_buckets, bmask):
-    """Returns (slot of key or -1, first free slot on the probe path or -1, bucket base, digest)."""
+def _zero_bytes(x):
+    """High bit of every byte of ``x`` that is zero (exact, no false positives)."""
+    y = (x & _LO7) + _LO7
+    return ~(y | x | _LO7)
+
+
+@njit(cache=True, inline="always")
+def _first_byte(mask):
+    """Index (0..7) of the lowest byte whose high bit is set in ``mask`` (mask != 0)."""
+    low = mask & (~mask + np.uint64(1))
+    return np.int64(((low >> _U7) * _BYTE_INDEX) >> _U56)
+
+
+@njit(cache=True)
+def _probe_words(ikeys, dig64, key, base, start, d, bmask):
+    """The long probe: scans the bucket's digests 8 at a time (SWAR) in probe order from the
+    start slot, stopping after the first 8-byte word that holds an empty slot.
+    Returns (slot of key or -1, first free slot or -1)."""
+    pattern = np.uint64(d) * _ONES
+    nwords = (bmask + 1) >> 3
+    first_word = start >> 3
+    shift = np.uint64(8 * (start & 7))
+    free = -1
+    for i in range(nwords + 1):
+        if i == 0:
+            valid = _ALL << shift
+        elif i == nwords:
+            if shift == 0:
+                break
+            valid = ~(_ALL << shift)
+        else:
+            valid = _ALL
+        w = (first_word + i) & (nwords - 1)
+        word = dig64[(base >> 3) + w]
+        match = _zero_bytes(word ^ pattern) & valid
+        while match:
+            s = base + 8 * w + _first_byte(match)
+            if ikeys[s] == key:
+                return s, free
+            match &= match - np.uint64(1)
+        empty = _zero_bytes(word) & valid
+        if free < 0:
+            vacant = (empty | _zero_bytes(word ^ _ONES)) & valid
+            if vacant:
+                free = base + 8 * w + _first_byte(vacant)
+        if empty:
+            break
+    return -1, free
+
+
+@njit(cache=True, inline="always")
+def _probe(ikeys, dig, dig64, key, num_buckets, bmask):
+    """Returns (slot of key or -1, first free slot on the probe path or -1, bucket base, digest).
+
+    Linear probing from the start slot; a probe stops at an empty slot. The first PREFIX slots
+    are probed one by one (most probes end there); a longer probe continues 8 slots at a time.
+    """
     h = index_hash_nb(key)
     width = bmask + 1
     base = bucket_of_nb(h, num_buckets) * width
     start = np.int64(h & np.uint64(bmask))
     d = digest_of_nb(h)
     free = -1
-    for i in range(width):
+    for i in range(PREFIX):
         s = base + ((start + i) & bmask)
         ds = dig[s]
         if ds == d:
@@ -54,7 +118,8 @@ def _probe(ikeys, dig, key, num_buckets, bmask):
             return -1, free, base, d
         elif ds == D_ERASED and free < 0:
             free = s
-    return -1, free, base, d
+    s, free_long = _probe_words(ikeys, dig64, key, base, start, d, bmask)
+    return s, (free if free >= 0 else free_long), base, d
 
 
 @njit(cache=True, inline="always")
@@ -72,9 +137,10 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, polic
               touch, pin, out_slots, counts):
     """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
     per occurrence; with ``pin`` found slots are pinned for the rest of the lookup."""
+    dig64 = dig.view(np.uint64)
     found = 0
     for i in range(keys.shape[0]):
-        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        s, _, _, _ = _probe(ikeys, dig, dig64, keys[i], num_buckets, bmask)
         out_slots[i] = s
         if s >= 0:
             found += 1
@@ -87,14 +153,18 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, polic
 
 @njit(cache=True, inline="always")
 def _lowest_unpinned(iscores, pins, base, width):
-    best = -1
+    """(slot, score) of the lowest-score slot of the bucket not pinned by the running lookup
+    (the first such slot on ties), or (-1, MAX) if all are pinned. Two passes: a branch-free
+    minimum (vectorisable), then the first slot holding it."""
     best_score = _MAX_SCORE
     for j in range(width):
+        sc = iscores[base + j]
+        best_score = min(best_score, sc if pins[base + j] == PIN_FREE else _MAX_SCORE)
+    for j in range(width):
         t = base + j
-        if pins[t] == PIN_FREE and (best < 0 or iscores[t] < best_score):
-            best = t
-            best_score = iscores[t]
-    return best, best_score
+        if pins[t] == PIN_FREE and iscores[t] == best_score:
+            return t, best_score
+    return -1, best_score
 
 
 @njit(cache=True)
@@ -106,6 +176,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, pol
     evictable, or a CUSTOM score below the bucket's lowest). Evicted (key, slot, score) triples
     are written to ``ev_*``; returns how many.
     """
+    dig64 = dig.view(np.uint64)
     width = bmask + 1
     n_ev = 0
     n_ins = 0
@@ -113,7 +184,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, pol
     n_new = 0
     for i in range(keys.shape[0]):
         k = keys[i]
-        s, free, base, d = _probe(ikeys, dig, k, num_buckets, bmask)
+        s, free, base, d = _probe(ikeys, dig, dig64, k, num_buckets, bmask)
         if s >= 0:
             out_slots[i] = s
             _touch(iscores, s, policy, step, custom, i)
@@ -198,9 +269,10 @@ def unpin(slots, pins):
 @njit(cache=True)
 def erase(keys, ikeys, iscores, dig, num_buckets, bmask, out_slots, counts):
     """Erases keys present; ``out_slots[i]`` = the slot it had or -1. Returns how many."""
+    dig64 = dig.view(np.uint64)
     n = 0
     for i in range(keys.shape[0]):
-        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        s, _, _, _ = _probe(ikeys, dig, dig64, keys[i], num_buckets, bmask)
         out_slots[i] = s
         if s >= 0:
             ikeys[s] = EMPTY_KEY

@@ -30,7 +30,7 @@ def _bits32(key_mix, j):
     return (h >> _U32) if j & 1 else (h & _LO32)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, table_mix):
     """Writes ``dst[dst_rows[m], :dim]`` = initial embedding of ``keys[m]`` and the rest of that
     row = ``state_value``.
@@ -40,23 +40,25 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
     """
     width = dst.shape[1]
     tmix = np.uint64(table_mix)
+    span = b - a
     for m in range(keys.shape[0]):
-        r = dst_rows[m]
+        row = dst[dst_rows[m]]
         key_mix = fmix64_nb(np.uint64(keys[m]) ^ tmix)
-        for j in range(dim):
-            if kind == INIT_CONSTANT:
-                v = a
-            elif kind == INIT_UNIFORM:
-                v = a + (b - a) * ((np.float64(_bits32(key_mix, j)) + 0.5) * 2.0**-32)
-            else:
+        if kind == INIT_CONSTANT:
+            for j in range(dim):
+                row[j] = a
+        elif kind == INIT_UNIFORM:
+            for j in range(dim):
+                row[j] = a + span * ((np.float64(_bits32(key_mix, j)) + 0.5) * 2.0**-32)
+        else:
+            for j in range(dim):
                 bits = _bits32(key_mix, j)
                 i = np.int64(bits >> np.uint64(QUANTILE_BITS))
                 f = np.float64(bits & np.uint64(0xFFFF)) * 2.0**-16
                 q0 = quantiles[i]
-                v = a + b * (q0 + f * (quantiles[i + 1] - q0))
-            dst[r, j] = v
+                row[j] = a + b * (q0 + f * (quantiles[i + 1] - q0))
         for j in range(dim, width):
-            dst[r, j] = state_value
+            row[j] = state_value
 
 
 @njit(cache=True)
@@ -65,11 +67,18 @@ def gather(rows, slots, dim, out):
     for u in range(slots.shape[0]):
         s = slots[u]
         if s >= 0:
+            src = rows[s]
+            dst = out[u]
             for j in range(dim):
-                out[u, j] = rows[s, j]
+                dst[j] = src[j]
 
 
-@njit(cache=True)
+# Kernels take per-row views (w, state, g) so LLVM can vectorise the inner loop over j;
+# error_model="numpy" removes Python's division-by-zero checks, which would block that.
+_row_kernel = njit(cache=True, error_model="numpy")
+
+
+@_row_kernel
 def sgd(rows, slots, grads, lr, wd):
     lr = np.float32(lr)
     wd = np.float32(wd)
@@ -78,12 +87,13 @@ def sgd(rows, slots, grads, lr, wd):
         s = slots[u]
         if s < 0:
             continue
+        w = rows[s, :dim]
+        g = grads[u]
         for j in range(dim):
-            w = rows[s, j]
-            rows[s, j] = w - lr * (grads[u, j] + wd * w)
+            w[j] = w[j] - lr * (g[j] + wd * w[j])
 
 
-@njit(cache=True)
+@_row_kernel
 def adagrad(rows, slots, grads, clr, eps, wd):
     clr = np.float32(clr)
     eps = np.float32(eps)
@@ -93,37 +103,41 @@ def adagrad(rows, slots, grads, clr, eps, wd):
         s = slots[u]
         if s < 0:
             continue
+        w = rows[s, :dim]
+        acc = rows[s, dim:2 * dim]
+        gu = grads[u]
         for j in range(dim):
-            w = rows[s, j]
-            g = grads[u, j] + wd * w
-            acc = rows[s, dim + j] + g * g
-            rows[s, dim + j] = acc
-            rows[s, j] = w - clr * (g / (np.sqrt(acc) + eps))
+            g = gu[j] + wd * w[j]
+            a = acc[j] + g * g
+            acc[j] = a
+            w[j] = w[j] - clr * (g / (np.sqrt(a) + eps))
 
 
-@njit(cache=True)
+@_row_kernel
 def rowwise_adagrad(rows, slots, grads, clr, eps, wd):
     clr = np.float32(clr)
     eps = np.float32(eps)
     wd = np.float32(wd)
     dim = grads.shape[1]
+    inv_dim = np.float32(1.0 / dim)
     for u in range(slots.shape[0]):
         s = slots[u]
         if s < 0:
             continue
+        w = rows[s, :dim]
+        gu = grads[u]
         sq = np.float32(0.0)
         for j in range(dim):
-            g = grads[u, j] + wd * rows[s, j]
+            g = gu[j] + wd * w[j]
             sq += g * g
-        acc = rows[s, dim] + sq / np.float32(dim)
+        acc = rows[s, dim] + sq * inv_dim
         rows[s, dim] = acc
         scale = clr / (np.sqrt(acc) + eps)
         for j in range(dim):
-            w = rows[s, j]
-            rows[s, j] = w - scale * (grads[u, j] + wd * w)
+            w[j] = w[j] - scale * (gu[j] + wd * w[j])
 
 
-@njit(cache=True)
+@_row_kernel
 def adam(rows, slots, grads, step_size, beta1, beta2, eps, wd):
     """SparseAdam: ``m += (g - m)(1 - b1)``, ``v += (g² - v)(1 - b2)``,
     ``w -= step_size * m / (sqrt(v) + eps)`` with step_size = lr·sqrt(1 - b2^t)/(1 - b1^t)."""
@@ -137,13 +151,14 @@ def adam(rows, slots, grads, step_size, beta1, beta2, eps, wd):
         s = slots[u]
         if s < 0:
             continue
+        w = rows[s, :dim]
+        m = rows[s, dim:2 * dim]
+        v = rows[s, 2 * dim:3 * dim]
+        gu = grads[u]
         for j in range(dim):
-            w = rows[s, j]
-            g = grads[u, j] + wd * w
-            m = rows[s, dim + j]
-            v = rows[s, 2 * dim + j]
-            m = m + (g - m) * one_b1
-            v = v + (g * g - v) * one_b2
-            rows[s, dim + j] = m
-            rows[s, 2 * dim + j] = v
-            rows[s, j] = w - step_size * (m / (np.sqrt(v) + eps))
+            g = gu[j] + wd * w[j]
+            mj = m[j] + (g - m[j]) * one_b1
+            vj = v[j] + (g * g - v[j]) * one_b2
+            m[j] = mj
+            v[j] = vj
+            w[j] = w[j] - step_size * (mj / (np.sqrt(vj) + eps))

@@ -1,9 +1,10 @@
 """EmbeddingBagCollection (pooled) and EmbeddingCollection (one row per id) over dynamic tables.
 
 One lookup per table per forward: the ids of all its features are resolved together into U
-unique rows (U, dim), which autograd sees as one tensor; pooling runs on those rows with
-``torch.nn.functional.embedding_bag``. In backward the summed gradient of each unique row reaches
-the table's fused optimizer, which updates the rows in place.
+unique entries. EmbeddingBagCollection pools straight from the row store (kernels/pooling_*)
+and its backward sums the gradient per entry; EmbeddingCollection materialises the (U, dim)
+rows as one autograd tensor. Either way the summed (U, dim) gradient reaches the table's fused
+optimizer in backward, which updates the rows in place.
 """
 
 from __future__ import annotations
@@ -41,6 +42,56 @@ class _RowsFn(torch.autograd.Function):
         state = ctx.state
         state.table.apply_gradients(state.lookup, grad)
         return None, None
+
+
+@dataclass
+class _PoolState:
+    """One table's pooled lookup: F features x B bags over the lookup's U entries."""
+
+    table: DynamicTable
+    lookup: Lookup
+    lengths: torch.Tensor
+    """(F·B,) int64 bag lengths, feature-major."""
+    weights: torch.Tensor
+    """(N,) float32 per-id weights, or empty."""
+    batch: int
+    mean: bool
+
+    def run(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.table
+        src, extra = t.sources(self.lookup)
+        t.backend.pool(t.rows, extra, src, self.lookup.inverse, self.lengths, self.weights,
+                       self.batch, t.dim, self.mean, out)
+        return src, extra
+
+
+class _PooledFn(torch.autograd.Function):
+    """(B, F·dim) pooled embeddings of one table, computed from the row store; backward sums
+    the gradient per unique entry, hands it to the fused optimizer, and returns the gradient of
+    the per-id weights."""
+
+    @staticmethod
+    def forward(ctx, state: _PoolState, anchor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.state = state
+        t = state.table
+        out = torch.empty(state.batch, state.lengths.numel() // state.batch * t.dim,
+                          dtype=torch.float32, device=t.device)
+        state.run(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout: torch.Tensor):
+        st = ctx.state
+        t, lk = st.table, st.lookup
+        src, extra = t.sources(lk)
+        grads = torch.zeros(src.numel(), t.dim, dtype=torch.float32, device=t.device)
+        want_w = ctx.needs_input_grad[2]
+        wgrad = torch.empty(st.weights.numel() if want_w else 0, dtype=torch.float32,
+                            device=t.device)
+        t.backend.pool_backward(gout.to(torch.float32), t.rows, extra, src, lk.inverse,
+                                st.lengths, st.weights, st.batch, t.dim, st.mean, grads, wgrad)
+        t.apply_gradients(lk, grads)
+        return None, None, (wgrad if want_w else None)
 
 
 class KeyedEmbeddings:
@@ -127,7 +178,7 @@ class _Collection(torch.nn.Module):
             raise InputError(f"{type(self).__name__}: batch features do not match the tables: "
                              f"unknown {unknown}, missing {missing}; expected {list(self.feature_names)}.")
 
-    def _table_rows(self, table: DynamicTable, batch: SparseBatch):
+    def _table_rows(self, table: DynamicTable, batch: SparseBatch):  # EmbeddingCollection
         """Resolves all features of ``table`` at once: ((U, dim) rows, per-feature
         (inverse ids, lengths, weights))."""
         parts = [batch.feature(f) for f in table.config.features]
@@ -155,18 +206,34 @@ class EmbeddingBagCollection(_Collection):
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
         self._check_batch(batch)
         outs, keys, dims = [], [], []
+        grad = self.training and torch.is_grad_enabled()
         for table in self.tables.values():
-            rows, feats = self._table_rows(table, batch)
-            for name, (inv, lengths, weights) in zip(table.config.features, feats):
-                offsets = torch.cumsum(lengths, 0) - lengths
-                w = None if weights is None else weights.to(device=self.device, dtype=rows.dtype)
-                pooled = F.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=w)
-                if table.config.pooling == PoolingMode.MEAN:
-                    pooled = pooled / lengths.clamp(min=1).to(rows.dtype)[:, None]
-                outs.append(pooled)
-                keys.append(name)
-                dims.append(table.dim)
-        return KeyedEmbeddings(keys, dims, torch.cat(outs, dim=1))
+            state, weights = self._pool_state(table, batch)
+            if grad:
+                outs.append(_PooledFn.apply(state, self._anchor, weights))
+            else:
+                out = torch.empty(state.batch, len(table.config.features) * table.dim,
+                                  device=self.device)
+                state.run(out)
+                outs.append(out)
+            keys += table.config.features
+            dims += [table.dim] * len(table.config.features)
+        return KeyedEmbeddings(keys, dims, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+
+    def _pool_state(self, table: DynamicTable, batch: SparseBatch) -> tuple[_PoolState, torch.Tensor]:
+        """The table's lookup over all its features, and the weights tensor autograd should see."""
+        parts = [batch.feature(f) for f in table.config.features]
+        keys = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+        lengths = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        if batch.weights is None:
+            weights = torch.empty(0, dtype=torch.float32, device=self.device)
+        else:
+            weights = torch.cat([p[2] for p in parts]).to(device=self.device, dtype=torch.float32)
+        lk = table.lookup(keys.to(self.device), train=self.training)
+        state = _PoolState(table=table, lookup=lk, lengths=lengths.to(self.device, torch.int64).contiguous(),
+                           weights=weights.detach().contiguous(), batch=batch.batch_size,
+                           mean=table.config.pooling == PoolingMode.MEAN)
+        return state, weights
 
 
 class EmbeddingCollection(_Collection):

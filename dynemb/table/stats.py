@@ -22,10 +22,10 @@ class Evicted:
 
     keys: torch.Tensor
     """(E,) int64."""
-    embeddings: torch.Tensor
-    """(E, dim) float32."""
-    optimizer_state: torch.Tensor
-    """(E, state_width) float32."""
+    embeddings: torch.Tensor | None
+    """(E, dim) float32; None where the call did not ask for rows (``lookup`` by default)."""
+    optimizer_state: torch.Tensor | None
+    """(E, state_width) float32; None with ``embeddings``."""
     scores: torch.Tensor
     """(E,) int64: the scores they had."""
 

@@ -170,31 +170,56 @@ class DynamicTable:
 
     # ------------------------------------------------------------------ module path
 
-    def lookup(self, keys: torch.Tensor, *, train: bool) -> Lookup:
+    def lookup(self, keys: torch.Tensor, *, train: bool, keep_evicted: bool = False) -> Lookup:
         """Resolves (N,) keys for a module: in training rows are created (through admission) and
-        scores touched; in eval nothing changes."""
-        return self._resolve(keys, touch=train, insert=train, admit=True, custom=None)
+        scores touched; in eval nothing changes. Evictions are always counted and their keys and
+        scores returned; their rows are copied out only with ``keep_evicted`` (a copy the
+        single-tier training path does not need)."""
+        return self._resolve(keys, touch=train, insert=train, admit=True, custom=None,
+                             keep_evicted=keep_evicted)
 
     def embeddings(self, lk: Lookup) -> torch.Tensor:
         """(U, dim) float32: the row of each unique entry, or its eval-initializer row."""
         return self._values(lk.unique_keys, lk.unique_slots)
 
+    def sources(self, lk: Lookup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each entry's embedding is, for the pooling kernels: ``src`` (U,) int64 is the
+        slot, or ``-1 - m`` for row m of ``extra`` (M, dim), the eval-initializer rows of entries
+        without a row. Slots are resolved again if rows were evicted since the lookup."""
+        slots = self.current_slots(lk)
+        missing = torch.nonzero(slots < 0).flatten()
+        extra = torch.empty(missing.numel(), self.dim, dtype=torch.float32, device=self.device)
+        src = slots
+        if missing.numel():
+            order = torch.arange(missing.numel(), device=self.device)
+            self.backend.init_rows(extra, order, lk.unique_keys[missing], self.dim, 0.0,
+                                   self.config.eval_initializer, self._eval_mix)
+            src = slots.clone()
+            src[missing] = -1 - order
+        return src, extra
+
+    def current_slots(self, lk: Lookup) -> torch.Tensor:
+        """The lookup's slots, resolved again by key if rows were evicted or erased since (a key
+        that lost its row gets -1 and is counted in ``stats().stale_updates``)."""
+        if lk.epoch == self._epoch:
+            return lk.unique_slots
+        now = self.backend.find(self.index, lk.unique_keys, self._no_scores, self._policy,
+                                self.step, False, False)
+        now = torch.where(lk.unique_slots >= 0, now, -1)
+        self._counters["stale_updates"] += int(((lk.unique_slots >= 0) & (now < 0)).sum())
+        lk.unique_slots, lk.epoch = now, self._epoch
+        return now
+
     def apply_gradients(self, lk: Lookup, grads: torch.Tensor) -> None:
         """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry."""
-        slots = lk.unique_slots
-        if lk.epoch != self._epoch:  # rows were evicted or erased since the lookup
-            now = self.backend.find(self.index, lk.unique_keys, self._no_scores, self._policy,
-                                    self.step, False, False)
-            now = torch.where(slots >= 0, now, -1)
-            self._counters["stale_updates"] += int(((slots >= 0) & (now < 0)).sum())
-            slots = now
+        slots = self.current_slots(lk)
         self.optimizer.apply(self.backend, self.rows, slots, grads.to(torch.float32).contiguous())
         self._mark_written(slots[slots >= 0])
 
     # ------------------------------------------------------------------ internals
 
     def _resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
-                 custom: torch.Tensor | None) -> Lookup:
+                 custom: torch.Tensor | None, keep_evicted: bool = True) -> Lookup:
         be, ix = self.backend, self.index
         custom = self._no_scores if custom is None else custom
         if touch:
@@ -215,7 +240,7 @@ class DynamicTable:
                 mkeys = keys[miss]
                 new_slots, fresh, ev = be.insert(ix, mkeys, custom[miss] if custom.numel() else custom,
                                                  self._policy, self.step)
-                evicted = self._take_evicted(*ev)
+                evicted = self._take_evicted(*ev, with_rows=keep_evicted)
                 be.init_rows(self.rows, new_slots[fresh], mkeys[fresh], self.dim,
                              self.optimizer.initial_state, self.config.initializer, self._init_mix)
                 slots[miss] = new_slots
@@ -236,11 +261,15 @@ class DynamicTable:
                                    self.config.eval_initializer, self._eval_mix)
         return out
 
-    def _take_evicted(self, keys, slots, scores) -> Evicted:
+    def _take_evicted(self, keys, slots, scores, *, with_rows: bool) -> Evicted:
         if keys.numel() == 0:
             return self._evicted_none()
         self._epoch += 1
-        rows = self.rows[slots]
+        if not with_rows:
+            return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
+        rows = torch.empty(slots.numel(), self.rows.shape[1], dtype=self.rows.dtype,
+                           device=self.device)
+        self.backend.gather(self.rows, slots, self.rows.shape[1], rows)
         return Evicted(keys=keys, embeddings=rows[:, :self.dim],
                        optimizer_state=rows[:, self.dim:], scores=scores)
 

@@ -1,0 +1,70 @@
+"""Compiled (numba) pooling straight from the row store, and its backward.
+
+The ids of F features of one table (feature-major, bags of B samples each) were resolved into U
+unique entries: ``inverse[i]`` is the entry of id i and ``src[u]`` where entry u's embedding is:
+``rows[src[u], :dim]`` when ``src[u] >= 0``, else ``extra[-src[u] - 1]`` (eval-initializer rows
+of keys without a row). Pooled output: ``out[b, f·dim:(f+1)·dim] = Σ_i w_i · e(i) / n`` over
+the ids i of bag (f, b), n = the bag length for MEAN, 1 for SUM; w_i = 1 without weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_kernel = njit(cache=True, error_model="numpy")
+
+
+@_kernel
+def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
+    """Forward: fills ``out`` (B, F·dim) float32. ``weights`` is (N,) or empty."""
+    weighted = weights.shape[0] > 0
+    i = 0
+    for bag in range(lengths.shape[0]):
+        f = bag // batch
+        b = bag - f * batch
+        acc = out[b, f * dim:(f + 1) * dim]
+        acc[:] = 0.0
+        n = lengths[bag]
+        for _ in range(n):
+            u = inverse[i]
+            s = src[u]
+            e = rows[s] if s >= 0 else extra[-s - 1]
+            w = weights[i] if weighted else np.float32(1.0)
+            for j in range(dim):
+                acc[j] += w * e[j]
+            i += 1
+        if mean and n > 1:
+            scale = np.float32(1.0 / n)
+            for j in range(dim):
+                acc[j] *= scale
+
+
+@_kernel
+def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean, grads,
+                  wgrad):
+    """Backward: ``grads`` (U, dim) float32 zero-filled receives the summed gradient of each
+    entry; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n."""
+    weighted = weights.shape[0] > 0
+    want_w = wgrad.shape[0] > 0
+    i = 0
+    for bag in range(lengths.shape[0]):
+        f = bag // batch
+        b = bag - f * batch
+        g = gout[b, f * dim:(f + 1) * dim]
+        n = lengths[bag]
+        scale = np.float32(1.0 / n) if (mean and n > 1) else np.float32(1.0)
+        for _ in range(n):
+            u = inverse[i]
+            w = (weights[i] if weighted else np.float32(1.0)) * scale
+            acc = grads[u]
+            for j in range(dim):
+                acc[j] += w * g[j]
+            if want_w:
+                s = src[u]
+                e = rows[s] if s >= 0 else extra[-s - 1]
+                dot = np.float32(0.0)
+                for j in range(dim):
+                    dot += e[j] * g[j]
+                wgrad[i] = dot * scale
+            i += 1
