@@ -93,7 +93,7 @@ class SparseBatch:
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             ends = torch.cumsum(per_sample.sum(dim=1), 0)
-            f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=False))
+            f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=True))
             raise InputError(f"SparseBatch: feature {self.features[f]!r}: weight {i} is "
                              f"{float(weights[i])}; weights must be finite.")
 
@@ -111,15 +111,20 @@ class SparseBatch:
         if weights is not None and set(weights) != set(names):
             raise InputError(f"SparseBatch.from_dict: weights have features {sorted(weights)}, "
                              f"expected {sorted(names)}.")
+        for name in names if weights is not None else ():
+            if len(weights[name]) != sizes[name]:
+                raise InputError(f"SparseBatch.from_dict: feature {name!r} has {sizes[name]} bags "
+                                 f"of ids but {len(weights[name])} bags of weights.")
         flat: list[int] = []
         flat_w: list[float] = []
         lengths: list[int] = []
         for name in names:
             for b, bag in enumerate(ids[name]):
                 bag = list(bag)
-                if not all(isinstance(i, int) and not isinstance(i, bool) for i in bag):
+                if not all(isinstance(i, int) and not isinstance(i, bool)
+                           and -(1 << 63) <= i < (1 << 63) for i in bag):
                     raise InputError(f"SparseBatch.from_dict: feature {name!r}, sample {b}: "
-                                     f"expected integer ids, found {bag!r}.")
+                                     f"expected int64 ids, found {bag!r}.")
                 flat.extend(bag)
                 lengths.append(len(bag))
                 if weights is not None:

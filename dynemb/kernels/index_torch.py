@@ -77,6 +77,25 @@ def _candidates(ix, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return slots.gather(1, order), kind
 
 
+def _custom_victims(which, rank, score_o, cand_slots, cand_kind, scores, slot_o, evict):
+    """CUSTOM admission in the numba kernel's order: per bucket, keys past the free slots each
+    take the lowest remaining victim if their score is at least its score; a refused key leaves
+    that victim to the next key. (A sequential rule: a short Python loop over those keys.)"""
+    slot_o, evict = slot_o.clone(), torch.zeros_like(evict)
+    nfree = (cand_kind == 0).sum(dim=1).tolist()
+    width = cand_slots.shape[1]
+    nxt: dict[int, int] = {}
+    for j, (b, r, sc) in enumerate(zip(which.tolist(), rank.tolist(), score_o.tolist())):
+        if r < nfree[b]:
+            continue
+        p = nxt.get(b, nfree[b])
+        if p < width and int(cand_kind[b, p]) == 1 and sc >= int(scores[cand_slots[b, p]]):
+            slot_o[j] = cand_slots[b, p]
+            evict[j] = True
+            nxt[b] = p + 1
+    return slot_o, evict
+
+
 def insert_pass(ix, keys, custom, policy: int, step: int):
     """Inserts missing keys (duplicates allowed). Returns (slots (N,), inserted (N,) bool,
     evicted keys, evicted slots, evicted scores)."""
@@ -106,7 +125,9 @@ def insert_pass(ix, keys, custom, policy: int, step: int):
     if policy == P_NO_EVICTION:
         evict = torch.zeros_like(evict)
     elif policy == P_CUSTOM:
-        evict = evict & (score_o >= victim)
+        slot_o, evict = _custom_victims(which, rank, score_o, cand_slots, cand_kind, ix.scores,
+                                        slot_o, evict)
+        victim = ix.scores[slot_o]
     take = (kind_o == 0) | evict
     ev_slots = slot_o[evict]
     ev = (ix.keys[ev_slots].clone(), ev_slots, victim[evict].clone())

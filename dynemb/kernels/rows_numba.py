@@ -36,7 +36,7 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
     row = ``state_value``.
 
     ``kind``: INIT_*; ``(a, b)``: (mean, std) for the normals with ``quantiles`` (2**16 + 1,)
-    float64, (low, high) for UNIFORM, (value, -) for CONSTANT.
+    float32, (low, high) for UNIFORM, (value, -) for CONSTANT.
     """
     width = dst.shape[1]
     tmix = np.uint64(table_mix)
@@ -55,8 +55,8 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
                 bits = _bits32(key_mix, j)
                 i = np.int64(bits >> np.uint64(QUANTILE_BITS))
                 f = np.float64(bits & np.uint64(0xFFFF)) * 2.0**-16
-                q0 = quantiles[i]
-                row[j] = a + b * (q0 + f * (quantiles[i + 1] - q0))
+                q0 = np.float64(quantiles[i])
+                row[j] = a + b * (q0 + f * (np.float64(quantiles[i + 1]) - q0))
         for j in range(dim, width):
             row[j] = state_value
 

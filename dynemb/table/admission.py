@@ -15,7 +15,8 @@ _NO_SCORES = torch.empty(0, dtype=torch.int64)
 class AdmissionFilter:
     """Counts occurrences of keys without a row; admits a key once its count reaches the
     threshold (and forgets it then). When the counter table is full, its least-counted key that
-    this call did not touch is evicted (counted in ``counter_evictions``)."""
+    this call did not touch is evicted (counted in ``counter_evictions``); a key that finds no
+    room at all is judged on its occurrences in the call alone."""
 
     def __init__(self, config: Admission, device: torch.device, backend) -> None:
         self.threshold = config.threshold
@@ -35,6 +36,10 @@ class AdmissionFilter:
         counted = slots >= 0
         counts = torch.zeros_like(keys)
         counts[counted] = ix.scores[slots[counted]]
+        if not bool(counted.all()):  # no room in the counter table: count this call's occurrences
+            _, inv, occurrences = torch.unique(keys[~counted], return_inverse=True,
+                                               return_counts=True)
+            counts[~counted] = occurrences[inv]
         admitted = counts >= self.threshold
         if bool(admitted.any()):
             be.erase(ix, torch.unique(keys[admitted]))

@@ -83,12 +83,21 @@ class DynamicTable:
 
     # ------------------------------------------------------------------ public verbs
 
-    def find(self, keys: torch.Tensor) -> FindResult:
-        """Rows of ``keys`` (N,) int64 without inserting or touching scores."""
+    def find(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> FindResult:
+        """Rows of ``keys`` (N,) int64 without inserting or touching scores.
+
+        ``out``: an optional (N, dim) float32 tensor to write the values into (reusing one
+        saves allocating, and on some hosts page-faulting, a fresh tensor per call).
+        """
         keys = self._keys(keys, "find")
+        if out is not None:
+            self._check_shape("out", out, (keys.numel(), self.dim))
+            if out.dtype != torch.float32 or not out.is_contiguous() or out.device != self.device:
+                raise InputError(f"table {self.name!r}: find(out=) must be a contiguous float32 "
+                                 f"tensor on {self.device}, found {out.dtype} on {out.device}.")
         slots = self.backend.find(self.index, keys, self._no_scores, self._policy, self.step,
                                   False, False)
-        return FindResult(values=self._values(keys, slots), found=slots >= 0)
+        return FindResult(values=self._values(keys, slots, out), found=slots >= 0)
 
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
         """Rows of ``keys``, creating (initialising) missing ones; evicts when a bucket is full.
@@ -175,6 +184,7 @@ class DynamicTable:
         scores touched; in eval nothing changes. Evictions are always counted and their keys and
         scores returned; their rows are copied out only with ``keep_evicted`` (a copy the
         single-tier training path does not need)."""
+        keys = self._keys(keys, "lookup")
         return self._resolve(keys, touch=train, insert=train, admit=True, custom=None,
                              keep_evicted=keep_evicted)
 
@@ -252,8 +262,10 @@ class DynamicTable:
         return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
                       inserted=inserted, evicted=evicted, epoch=self._epoch)
 
-    def _values(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
+    def _values(self, keys: torch.Tensor, slots: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
         self.backend.gather(self.rows, slots, self.dim, out)
         missing = torch.nonzero(slots < 0).flatten()
         if missing.numel():
