@@ -70,7 +70,7 @@ class TableStats:
     lookups: int
     """Ids looked up by score-touching calls (occurrences)."""
     hits: int
-    """Lookups (of any call, find included) that found a row."""
+    """Of ``lookups``, the occurrences whose key already had a row (``find`` is not counted)."""
     inserted: int
     """Rows created."""
     evicted: int

@@ -1,0 +1,44 @@
+"""Shared fixtures: both kernel backends, one intra-op thread, small tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynemb
+
+torch.set_num_threads(1)
+
+BACKENDS = ("numba", "torch")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """The kernel backend a table is built with: "numba" (compiled) and "torch" (reference)."""
+    return request.param
+
+
+def _table_config(**kw) -> dynemb.TableConfig:
+    kw.setdefault("name", "t")
+    kw.setdefault("dim", 4)
+    kw.setdefault("features", ("f",))
+    kw.setdefault("capacity", 8)
+    return dynemb.TableConfig(**kw)
+
+
+@pytest.fixture
+def table_config():
+    """Factory: ``table_config(**TableConfig fields)`` with small defaults: name "t", dim 4,
+    feature "f", capacity 8 (one bucket of 8 slots)."""
+    return _table_config
+
+
+@pytest.fixture
+def make_table(backend):
+    """Factory: ``make_table(**TableConfig fields)`` builds a DynamicTable on the fixture's backend
+    (defaults as in ``table_config``)."""
+
+    def make(**kw) -> dynemb.DynamicTable:
+        return dynemb.DynamicTable(_table_config(**kw), backend=backend)
+
+    return make
