@@ -67,10 +67,8 @@ def gather(rows, slots, dim, out):
     for u in range(slots.shape[0]):
         s = slots[u]
         if s >= 0:
-            src = rows[s]
-            dst = out[u]
             for j in range(dim):
-                dst[j] = src[j]
+                out[u, j] = rows[s, j]
 
 
 # Kernels take per-row views (w, state, g) so LLVM can vectorise the inner loop over j;

@@ -1,0 +1,298 @@
+"""How fast are a table's verbs? find / find_or_insert / insert_or_assign in M keys/s.
+
+Question: throughput of ``DynamicTable`` (numba backend, the CPU default) on one thread, at load
+factors 0.5 and 0.9, for Zipf(1.05) and uniform keys, against two baselines measured in the same
+run: the same table on the torch reference backend, and a Python dict (key -> row index, rows
+gathered from a tensor).
+
+Workload, per load factor λ (capacity C, query Q keys per call):
+  * the table is filled with the ids of ranks 1..λ·C (find_or_insert in chunks of
+    ``--fill-chunk``; a bucket that overflows during the fill evicts, so the real load, reported
+    as ``load_factor_actual``, is a little lower at 0.9);
+  * find: Q ids drawn from the distribution over the resident ranks 1..λ·C (nearly all hits);
+  * find_or_insert: Q ids drawn from the distribution over ranks 1..``--universe`` (default 1e8):
+    Zipf hits the resident hot ids most of the time and inserts the tail, uniform inserts nearly
+    every id; at 0.9 full buckets evict (``find_or_insert_evicted_keys_per_call`` > 0);
+  * insert_or_assign: Q distinct ids drawn the same way, with random values.
+The verbs that change the table run on a table restored to the filled state before each repeat
+(outside the timed region). Ranks are scrambled into scattered positive int64 ids. All three
+implementations get the same query batches; each repeat uses another batch; one untimed call
+per verb warms up (numba loads its compiled kernels).
+
+    .venv/bin/python benchmarks/table_ops.py [--capacity 1048576] [--dim 64] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dynemb  # noqa: E402
+from _common import (  # noqa: E402
+    base_parser, distinct_ranks, draw_ranks, emit, environment, loadavg_1m, log, rank_to_id,
+    rate_m, ratio, restore_, set_threads, summary_ms, timed,
+)
+
+OPS = ("find", "find_or_insert", "insert_or_assign")
+IMPLS = ("dynemb", "torch_backend", "python_dict")
+TARGETS_MKEYS_PER_S = {"find": 15.0, "find_or_insert": 10.0}  # issue 2, one thread, load 0.9
+
+
+class DictTable:
+    """Baseline: a Python dict key -> row index over a (capacity, dim) float32 tensor of rows.
+
+    find = dict lookups + row gather (missing keys get zeros); find_or_insert = setdefault with
+    the next row index (modulo capacity: no eviction, no row initialisation); insert_or_assign =
+    the same, then a row scatter. Keys cross between tensors and Python lists in every call.
+    """
+
+    def __init__(self, capacity: int, dim: int) -> None:
+        self.d: dict[int, int] = {}
+        self.cap = capacity
+        self.rows = torch.zeros(capacity, dim)
+
+    def find(self, keys: torch.Tensor):
+        get = self.d.get
+        idx = torch.tensor([get(k, -1) for k in keys.tolist()], dtype=torch.int64)
+        found = idx >= 0
+        values = self.rows[idx.clamp(min=0)]
+        values[~found] = 0.0
+        return values, found
+
+    def _slots(self, keys: torch.Tensor) -> torch.Tensor:
+        d, cap = self.d, self.cap
+        setdefault = d.setdefault
+        return torch.tensor([setdefault(k, len(d) % cap) for k in keys.tolist()], dtype=torch.int64)
+
+    def find_or_insert(self, keys: torch.Tensor):
+        return self.rows[self._slots(keys)]
+
+    def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.rows[self._slots(keys)] = values
+
+    def size(self) -> int:
+        return len(self.d)
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--capacity", type=int, default=1 << 20, help="table capacity (rows)")
+    p.add_argument("--dim", type=int, default=64, help="embedding dimension")
+    p.add_argument("--query-keys", type=int, default=65536, help="keys per call")
+    p.add_argument("--loads", type=str, default="0.5,0.9", help="load factors, comma-separated")
+    p.add_argument("--dists", type=str, default="zipf,uniform", help="key distributions")
+    p.add_argument("--zipf-exponent", type=float, default=1.05)
+    p.add_argument("--universe", type=int, default=10**8,
+                   help="ids find_or_insert / insert_or_assign draw from (ranks 1..universe)")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per verb (median, P90)")
+    p.add_argument("--fill-chunk", type=int, default=65536, help="keys per call while filling")
+    p.add_argument("--impls", type=str, default=",".join(IMPLS),
+                   help=f"implementations to run, comma-separated, of {IMPLS}")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.capacity, args.query_keys, args.repeats = 1 << 13, 2048, 3
+        args.universe, args.fill_chunk = 10**6, 2048
+    args.loads = [float(x) for x in args.loads.split(",")]
+    args.dists = args.dists.split(",")
+    args.impls = args.impls.split(",")
+    if not set(args.impls) <= set(IMPLS) or "dynemb" not in args.impls:
+        p.error(f"--impls: expected 'dynemb' and any of {IMPLS}, found {args.impls}")
+    return args
+
+
+def make_table(impl: str, args):
+    if impl == "python_dict":
+        return DictTable(args.capacity, args.dim)
+    cfg = dynemb.TableConfig(name="bench", dim=args.dim, features=["f"], capacity=args.capacity,
+                             optimizer=dynemb.SGD(lr=0.01), score=dynemb.ScorePolicy.LRU)
+    return dynemb.DynamicTable(cfg, backend="numba" if impl == "dynemb" else "torch")
+
+
+def fill(table, impl: str, resident: torch.Tensor, chunk: int) -> None:
+    if impl == "python_dict":
+        table.d = {k: i for i, k in enumerate(resident.tolist())}
+        return
+    for i in range(0, resident.numel(), chunk):
+        table.find_or_insert(resident[i:i + chunk])
+
+
+def capacity_of(table, impl: str) -> int:
+    return table.cap if impl == "python_dict" else table.capacity()
+
+
+def make_queries(args, rng, num_resident: int) -> dict:
+    """Per distribution: per verb, ``repeats + 1`` batches (the first one warms up)."""
+    n, q = args.repeats + 1, args.query_keys
+    out = {}
+    for dist in args.dists:
+        def draw(hi: int, dist: str = dist) -> torch.Tensor:
+            return rank_to_id(draw_ranks(rng, dist, q, hi, args.zipf_exponent))
+
+        out[dist] = {
+            "find": [draw(num_resident) for _ in range(n)],
+            "find_or_insert": [draw(args.universe) for _ in range(n)],
+            "insert_or_assign": [
+                (rank_to_id(distinct_ranks(rng, dist, q, args.universe, args.zipf_exponent)),
+                 torch.randn(q, args.dim)) for _ in range(n)],
+        }
+    return out
+
+
+def run_op(table, impl: str, op: str, batches: list, snap) -> tuple[list[float], dict]:
+    """Times ``op`` on each batch but the first (warm-up); returns seconds and per-call facts."""
+    times, facts = [], {"hits": [], "new": [], "evicted": []}
+    for i, batch in enumerate(batches):
+        if op != "find":
+            restore(table, impl, snap)
+        if op == "find":
+            res = {}
+            t = timed(lambda: res.setdefault("r", table.find(batch)))
+            found = res["r"][1] if impl == "python_dict" else res["r"].found
+            facts["hits"].append(float(found.float().mean()))
+        elif op == "find_or_insert":
+            res = {}
+            t = timed(lambda: res.setdefault("r", table.find_or_insert(batch)))
+            if impl != "python_dict":
+                r = res["r"]
+                facts["new"].append(int(r.inserted.sum()))
+                facts["evicted"].append(int(r.evicted.keys.numel()))
+        else:
+            keys, values = batch
+            res = {}
+            t = timed(lambda: res.setdefault("r", table.insert_or_assign(keys, values)))
+            if impl != "python_dict":
+                facts["evicted"].append(int(res["r"].keys.numel()))
+        if i > 0:
+            times.append(t)
+        else:
+            facts = {k: [] for k in facts}
+    return times, facts
+
+
+def restore(table, impl: str, snap) -> None:
+    if impl == "python_dict":
+        table.d = snap.copy()
+        return
+    restore_(table, snap)
+    if table.stats() != snap.stats():
+        raise RuntimeError(f"restore failed: {table.stats()} != {snap.stats()}")
+
+
+def snapshot(table, impl: str):
+    return dict(table.d) if impl == "python_dict" else copy.deepcopy(table)
+
+
+def op_record(op: str, seconds: list[float], facts: dict, q: int) -> dict:
+    s = summary_ms(seconds)
+    rec = {f"{op}_ms": s["median_ms"], f"{op}_ms_p90": s["p90_ms"],
+           f"{op}_mkeys_per_s": rate_m(q, s["median_ms"]),
+           f"{op}_mkeys_per_s_at_p90": rate_m(q, s["p90_ms"]), f"{op}_repeats": s["repeats"]}
+    if facts["hits"]:
+        rec[f"{op}_hit_rate"] = float(np.median(facts["hits"]))
+    if facts["new"]:
+        rec[f"{op}_new_keys_per_call"] = float(np.median(facts["new"]))
+    if facts["evicted"]:
+        rec[f"{op}_evicted_keys_per_call"] = float(np.median(facts["evicted"]))
+    return rec
+
+
+def bench_impl(impl: str, args, load: float, queries: dict, resident: torch.Tensor) -> dict:
+    """{dist: record} for one implementation at one load factor."""
+    table = make_table(impl, args)
+    log(f"[table_ops] {impl}: filling to load {load} ({resident.numel()} keys)")
+    fill(table, impl, resident, args.fill_chunk)
+    snap = snapshot(table, impl)
+    load_actual = table.size() / capacity_of(table, impl)
+    out = {}
+    for dist in args.dists:
+        rec = {"load_factor_actual": load_actual}
+        for op in OPS:
+            seconds, facts = run_op(table, impl, op, queries[dist][op], snap)
+            rec.update(op_record(op, seconds, facts, args.query_keys))
+            log(f"[table_ops] {impl} {dist} load {load}: {op} "
+                f"{rec[f'{op}_mkeys_per_s']:.2f} M keys/s")
+        restore(table, impl, snap)
+        out[dist] = rec
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    load_start = loadavg_1m()
+    threads = set_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+    probe = make_table("dynemb", args)
+    capacity = probe.capacity()  # rounded up to whole buckets
+    del probe
+    if capacity != args.capacity:
+        args.capacity = capacity
+    results = []
+    for load in args.loads:
+        num_resident = round(load * capacity)
+        resident = rank_to_id(rng.permutation(np.arange(1, num_resident + 1)))
+        queries = make_queries(args, rng, num_resident)
+        per_impl = {impl: bench_impl(impl, args, load, queries, resident) for impl in args.impls}
+        for dist in args.dists:
+            rec = {"dist": dist, "load_factor": load}
+            rec.update({impl: per_impl[impl][dist] for impl in args.impls})
+            rec["ratios"] = ratios(rec, args.impls)
+            results.append(rec)
+    record = {
+        "benchmark": "table_ops",
+        "question": "find / find_or_insert / insert_or_assign throughput of DynamicTable "
+                    "(numba) vs the torch backend and a Python dict, one thread",
+        "config": {"capacity_rows": capacity, "dim": args.dim, "query_keys_per_call":
+                   args.query_keys, "load_factors": args.loads, "dists": args.dists,
+                   "zipf_exponent": args.zipf_exponent, "universe_ids": args.universe,
+                   "repeats": args.repeats, "fill_chunk_keys": args.fill_chunk,
+                   "bucket_capacity": 128, "score_policy": "lru", "optimizer": "sgd",
+                   "seed": args.seed, "smoke": args.smoke, **threads},
+        "environment": {**environment(), "loadavg_1m_start": load_start},
+        "notes": [
+            "times are medians over repeats (P90 beside them); M keys/s = keys per call / median",
+            "find returns the values (N, dim) in every implementation (rows gathered)",
+            "find_or_insert and insert_or_assign run on a table restored to the filled state "
+            "before each repeat, outside the timed region",
+            "python_dict: no eviction and no row initialisation (new keys take the next row "
+            "index modulo capacity); includes tensor <-> list conversion",
+            "ids: ranks scrambled by an odd 64-bit multiplier mod 2**63",
+        ],
+        "results": results,
+        "targets": targets(results),
+    }
+    emit(record, args.out)
+    return record
+
+
+def ratios(rec: dict, impls: list[str]) -> dict:
+    out = {}
+    for base in impls:
+        if base == "dynemb":
+            continue
+        for op in OPS:
+            key = f"{op}_mkeys_per_s"
+            out[f"{op}_vs_{base}"] = ratio(rec["dynemb"][key], rec[base][key])
+    return out
+
+
+def targets(results: list[dict]) -> list[dict]:
+    """Issue 2's targets at load 0.9: find >= 15 and find_or_insert >= 10 M keys/s."""
+    out = []
+    for rec in results:
+        if abs(rec["load_factor"] - 0.9) > 1e-9:
+            continue
+        for op, target in TARGETS_MKEYS_PER_S.items():
+            got = rec["dynemb"][f"{op}_mkeys_per_s"]
+            out.append({"what": f"{op} {rec['dist']} load 0.9", "target_mkeys_per_s": target,
+                        "measured_mkeys_per_s": got, "met": bool(got >= target)})
+    return out
+
+
+if __name__ == "__main__":
+    main()

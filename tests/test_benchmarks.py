@@ -1,0 +1,85 @@
+"""Smoke tests of the benchmark scripts: each runs with --smoke (tiny sizes, seconds) in a
+subprocess and must print one JSON record, the same as the one written to --out, with the
+expected keys and positive numbers. Speed itself is not checked here."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def run_smoke(script: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{script}.py"), "--smoke", "--out", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
+    record = json.loads(proc.stdout)  # stdout is exactly one JSON record
+    assert json.loads(out.read_text()) == record
+    assert record["benchmark"] == script
+    assert record["config"]["smoke"] is True
+    assert record["config"]["torch_num_threads"] == 1
+    assert record["environment"]["torch"]
+    return record
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_table_ops_smoke(tmp_path):
+    rec = run_smoke("table_ops", tmp_path)
+    impls = ("dynemb", "torch_backend", "python_dict")
+    ops = ("find", "find_or_insert", "insert_or_assign")
+    got = {(r["dist"], r["load_factor"]) for r in rec["results"]}
+    assert got == {(d, lf) for d in ("zipf", "uniform") for lf in (0.5, 0.9)}
+    for r in rec["results"]:
+        for impl in impls:
+            for op in ops:
+                for key in (f"{op}_mkeys_per_s", f"{op}_mkeys_per_s_at_p90", f"{op}_ms",
+                            f"{op}_ms_p90"):
+                    assert positive(r[impl][key]), (r["dist"], r["load_factor"], impl, key)
+                assert r[impl][f"{op}_ms_p90"] >= r[impl][f"{op}_ms"]
+            assert 0 < r[impl]["load_factor_actual"] <= 1
+            assert r[impl]["find_hit_rate"] > 0.9
+        for op in ops:
+            for base in impls[1:]:
+                assert positive(r["ratios"][f"{op}_vs_{base}"])
+        if r["load_factor"] == 0.9:  # new keys into a nearly full table: eviction is measured
+            assert r["dynemb"]["find_or_insert_evicted_keys_per_call"] > 0
+            assert r["dynemb"]["find_or_insert_new_keys_per_call"] > 0
+    assert len(rec["targets"]) == 4
+    assert all(positive(t["measured_mkeys_per_s"]) for t in rec["targets"])
+
+
+def test_train_step_smoke(tmp_path):
+    rec = run_smoke("train_step", tmp_path)
+    results = rec["results"]
+    assert [(r["dim"], r["optimizer"]) for r in results] == [
+        (16, "sgd"), (16, "rowwise_adagrad"), (16, "adam")]
+    for r in results:
+        ours = r["dynemb"]
+        for impl in ("dynemb", "torch_embedding_bag"):
+            for key in ("step_ms", "step_ms_p90", "mids_per_s", "mids_per_s_at_p90"):
+                assert positive(r[impl][key]), (r["optimizer"], impl, key)
+        assert ours["steady_state_reached"] is True
+        assert ours["evicted_per_step"] > 0 and ours["load_factor_timed"] > 0.9
+        assert positive(r["ratios"]["mids_per_s_vs_torch_embedding_bag"])
+        fb = r["fbgemm_tbe"]  # measured, or skipped with the reason (not installed, refused)
+        if "skipped" in fb:
+            assert isinstance(fb["skipped"], str) and fb["skipped"]
+            assert "mids_per_s_vs_fbgemm_tbe" not in r["ratios"]
+        else:
+            assert positive(fb["step_ms"]) and positive(fb["mids_per_s"])
+            assert positive(r["ratios"]["mids_per_s_vs_fbgemm_tbe"])
+    assert len(rec["targets"]) == 3
