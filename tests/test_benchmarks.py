@@ -69,12 +69,13 @@ def test_train_step_smoke(tmp_path):
         (16, "sgd"), (16, "rowwise_adagrad"), (16, "adam")]
     for r in results:
         ours = r["dynemb"]
-        for impl in ("dynemb", "torch_embedding_bag"):
+        for impl in ("dynemb", "dynemb_same_ids", "torch_embedding_bag"):
             for key in ("step_ms", "step_ms_p90", "mids_per_s", "mids_per_s_at_p90"):
                 assert positive(r[impl][key]), (r["optimizer"], impl, key)
         assert ours["steady_state_reached"] is True
         assert ours["evicted_per_step"] > 0 and ours["load_factor_timed"] > 0.9
         assert positive(r["ratios"]["mids_per_s_vs_torch_embedding_bag"])
+        assert positive(r["ratios_same_ids"]["mids_per_s_vs_torch_embedding_bag"])
         fb = r["fbgemm_tbe"]  # measured, or skipped with the reason (not installed, refused)
         if "skipped" in fb:
             assert isinstance(fb["skipped"], str) and fb["skipped"]
@@ -82,4 +83,4 @@ def test_train_step_smoke(tmp_path):
         else:
             assert positive(fb["step_ms"]) and positive(fb["mids_per_s"])
             assert positive(r["ratios"]["mids_per_s_vs_fbgemm_tbe"])
-    assert len(rec["targets"]) == 3
+    assert len(rec["targets"]) == 6  # each optimizer: with churn, and on the baselines' ids
