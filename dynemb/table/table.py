@@ -108,7 +108,7 @@ class DynamicTable:
         keys = self._keys(keys, "find_or_insert")
         lk = self._resolve(keys, touch=True, insert=True, admit=False,
                            custom=self._scores(scores, keys, "find_or_insert"))
-        values = self.embeddings(lk)[lk.inverse]
+        values = self._values(keys, lk.unique_slots[lk.inverse])
         return InsertResult(values=values, inserted=lk.inserted, evicted=lk.evicted)
 
     def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor,
