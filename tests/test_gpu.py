@@ -1,0 +1,59 @@
+"""CUDA path: tables on the GPU run the torch kernels and must match the CPU (numba) results.
+
+Marked ``gpu``; skipped on a machine without CUDA (CI has none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynemb
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _tables(optimizer):
+    return [dynemb.TableConfig(name="t", dim=8, features=["a", "b"], capacity=1 << 12,
+                               optimizer=optimizer, pooling=dynemb.PoolingMode.MEAN),
+            dynemb.TableConfig(name="u", dim=4, features=["c"], capacity=1 << 12,
+                               optimizer=optimizer, score=dynemb.ScorePolicy.LFU,
+                               admission=dynemb.Admission(threshold=2, counter_capacity=256))]
+
+
+def _batch(step: int) -> dynemb.SparseBatch:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 6, (3 * 16,), generator=g)
+    values = torch.randint(-1000, 1000, (int(lengths.sum()),), generator=g) * 7919
+    weights = torch.rand(values.numel(), generator=g) + 0.5
+    return dynemb.SparseBatch(features=["a", "b", "c"], values=values, lengths=lengths,
+                              weights=weights)
+
+
+@pytest.mark.parametrize("optimizer", [dynemb.SGD(lr=0.1), dynemb.RowWiseAdagrad(lr=0.1),
+                                       dynemb.Adagrad(lr=0.1), dynemb.Adam(lr=0.01)],
+                         ids=lambda o: type(o).__name__)
+def test_cuda_tables_match_cpu(optimizer):
+    cpu = dynemb.EmbeddingBagCollection(_tables(optimizer))
+    gpu = dynemb.EmbeddingBagCollection(_tables(optimizer), device="cuda")
+    assert gpu.tables["t"].backend.name == "torch"
+    proj = torch.randn(16, 20, generator=torch.Generator().manual_seed(0))
+    for step in range(5):
+        batch = _batch(step)
+        out_c = cpu(batch).values()
+        out_g = gpu(batch.to("cuda")).values()
+        assert out_g.is_cuda
+        torch.testing.assert_close(out_g.cpu(), out_c, atol=1e-5, rtol=1e-5)
+        (out_c * proj).sum().backward()
+        (out_g * proj.cuda()).sum().backward()
+    for name in ("t", "u"):
+        a, b = cpu.tables[name], gpu.tables[name]
+        ea, eb = a.export_batch(0, a.capacity()), b.export_batch(0, b.capacity())
+        oa, ob = torch.argsort(ea.keys), torch.argsort(eb.keys.cpu())
+        assert torch.equal(ea.keys[oa], eb.keys.cpu()[ob])
+        torch.testing.assert_close(eb.embeddings.cpu()[ob], ea.embeddings[oa], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(eb.optimizer_state.cpu()[ob], ea.optimizer_state[oa],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(eb.scores.cpu()[ob], ea.scores[oa])
+        assert a.stats().admission_rejected == b.stats().admission_rejected
