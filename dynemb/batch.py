@@ -43,6 +43,9 @@ class SparseBatch:
 
     def __init__(self, *, features: Sequence[str], values: torch.Tensor, lengths: torch.Tensor,
                  weights: torch.Tensor | None = None) -> None:
+        if isinstance(features, str):
+            raise InputError(f"SparseBatch: expected a list of feature names, found the string "
+                             f"{features!r}; write features=[{features!r}].")
         self.features = tuple(features)
         self.values = values
         self.lengths = lengths

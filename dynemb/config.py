@@ -61,8 +61,13 @@ def _fail(owner: str, name: str, value: object, expected: str) -> None:
     raise ConfigError(f"{owner}.{name}: expected {expected}, found {value!r}.")
 
 
+def _is_int(value: object) -> bool:
+    """An int, not a bool (``True`` is an int to Python, never a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value >= 0 if allow_zero else value > 0)
     if not ok:
         _fail(owner, name, value, "a finite number " + (">= 0" if allow_zero else "> 0"))
@@ -103,7 +108,7 @@ class Initializer:
         _check_positive("Initializer", "bound", self.bound)
         if self.high < self.low:
             _fail("Initializer", "high", self.high, f"high >= low ({self.low})")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             _fail("Initializer", "seed", self.seed, "an int in [0, 2**63)")
 
 
@@ -200,9 +205,9 @@ class Admission:
     """Slots of the counter table."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.threshold, int) or self.threshold < 1:
+        if not _is_int(self.threshold) or self.threshold < 1:
             _fail("Admission", "threshold", self.threshold, "an int >= 1")
-        if not isinstance(self.counter_capacity, int) or self.counter_capacity < 1:
+        if not _is_int(self.counter_capacity) or self.counter_capacity < 1:
             _fail("Admission", "counter_capacity", self.counter_capacity, "an int >= 1")
 
 
@@ -247,12 +252,12 @@ class TableConfig:
             _fail(owner, "features", self.features, "a non-empty list of non-empty strings")
         if len(set(self.features)) != len(self.features):
             _fail(owner, "features", self.features, "distinct feature names")
-        if not isinstance(self.dim, int) or self.dim < 1:
+        if not _is_int(self.dim) or self.dim < 1:
             _fail(owner, "dim", self.dim, "an int >= 1")
-        if not isinstance(self.capacity, int) or self.capacity < 1:
+        if not _is_int(self.capacity) or self.capacity < 1:
             _fail(owner, "capacity", self.capacity, "an int >= 1")
         b = self.bucket_capacity
-        if not isinstance(b, int) or b < 8 or b & (b - 1) or b > 1024:
+        if not _is_int(b) or b < 8 or b & (b - 1) or b > 1024:
             _fail(owner, "bucket_capacity", b, "a power of two in [8, 1024]")
         checks = (("optimizer", OptimizerConfig), ("score", ScorePolicy),
                   ("pooling", PoolingMode), ("initializer", Initializer),

@@ -311,3 +311,8 @@ def test_from_dict_id_outside_int64_range():
     with _raises("'a'") as e:
         SparseBatch.from_dict({"a": [[1], [1 << 63]]})
     _check_input_error(e)
+
+
+def test_features_given_as_one_string_are_refused():
+    with pytest.raises(InputError, match="string"):
+        SparseBatch(features="ab", values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))

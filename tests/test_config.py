@@ -269,3 +269,15 @@ def test_enums_have_string_values():
     assert {p.value for p in ScorePolicy} == {"lru", "lfu", "step", "custom", "no_eviction"}
     assert {p.value for p in OnFull} == {"raise", "warn", "count"}
     assert dynemb.PoolingMode("mean") is PoolingMode.MEAN
+
+
+@pytest.mark.parametrize("make", [
+    lambda: dynemb.TableConfig(name="t", dim=True, features=["f"], capacity=8),
+    lambda: dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=True),
+    lambda: dynemb.Admission(threshold=True),
+    lambda: dynemb.SGD(lr=True),
+    lambda: dynemb.Initializer(seed=True),
+])
+def test_bools_are_not_numbers_here(make):
+    with pytest.raises(dynemb.errors.ConfigError):
+        make()

@@ -27,15 +27,15 @@ INIT_CODES = {
 }
 
 
-def init_params(init: Initializer) -> tuple[int, float, float, torch.Tensor]:
-    """(kind code, a, b, quantile table) as the init kernels take them."""
+def init_params(init: Initializer, device: torch.device) -> tuple[int, float, float, torch.Tensor]:
+    """(kind code, a, b, quantile table on ``device``) as the init kernels take them."""
     code = INIT_CODES[init.kind]
     if init.kind == InitKind.UNIFORM:
         return code, init.low, init.high, _NO_QUANTILES
     if init.kind == InitKind.CONSTANT:
         return code, init.value, 0.0, _NO_QUANTILES
     bound = init.bound if init.kind == InitKind.TRUNCATED_NORMAL else rnb.NORMAL_BOUND
-    return code, init.mean, init.std, rto.quantile_table(bound)
+    return code, init.mean, init.std, rto.quantile_table(bound, device)
 
 
 def _np(t: torch.Tensor):
@@ -51,7 +51,7 @@ class NumbaBackend:
         slots = torch.empty_like(keys)
         inb.find_pass(_np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
                       _np(ix.pins), ix.num_buckets, ix.width - 1, policy, step, touch, pin,
-                      _np(slots), _np(ix.counts))
+                      _np(slots))
         return slots
 
     def insert(self, ix, keys, custom, policy, step):
@@ -81,7 +81,7 @@ class NumbaBackend:
         return slots
 
     def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
-        kind, a, b, quantiles = init_params(init)
+        kind, a, b, quantiles = init_params(init, dst.device)
         rnb.init_rows(_np(dst), _np(dst_rows), _np(keys), dim, state_value, kind, a, b,
                       _np(quantiles), table_mix)
 
@@ -127,7 +127,8 @@ class TorchBackend:
         return ito.erase(ix, keys)
 
     def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
-        rto.init_rows(dst, dst_rows, keys, dim, state_value, *init_params(init), table_mix)
+        rto.init_rows(dst, dst_rows, keys, dim, state_value, *init_params(init, dst.device),
+                      table_mix)
 
     def gather(self, rows, slots, dim, out):
         rto.gather(rows, slots, dim, out)

@@ -20,8 +20,8 @@ from numba import njit
 
 M1 = 0xFF51AFD7ED558CCD
 M2 = 0xC4CEB9FE1A85EC53
-INDEX_SEED = 0x9E3779B97F4A7C15
-GOLDEN = 0x9E3779B97F4A7C15
+INDEX_SEED = 0xD6E8FEB86659FD93  # the index's own seed: no other hash uses it
+GOLDEN = 0x9E3779B97F4A7C15  # the Weyl step of the per-element counters
 U64 = (1 << 64) - 1
 
 _U33 = np.uint64(33)

@@ -25,8 +25,8 @@ D_ERASED = 1
 
 P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION = 0, 1, 2, 3, 4
 
-C_FOUND, C_INSERTED, C_EVICTED, C_FAILED, C_SIZE_DELTA = 0, 1, 2, 3, 4
-NUM_COUNTS = 5
+C_INSERTED, C_EVICTED, C_FAILED, C_SIZE_DELTA = 0, 1, 2, 3
+NUM_COUNTS = 4
 
 PIN_FREE = -1
 PIN_HELD = -2
@@ -74,20 +74,17 @@ def _touch(iscores, s, policy, step, custom, i):
 
 @njit(cache=True)
 def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, policy, step,
-              touch, pin, out_slots, counts):
+              touch, pin, out_slots):
     """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
     per occurrence; with ``pin`` found slots are pinned for the rest of the lookup."""
-    found = 0
     for i in range(keys.shape[0]):
         s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
         out_slots[i] = s
         if s >= 0:
-            found += 1
             if touch:
                 _touch(iscores, s, policy, step, custom, i)
             if pin and pins[s] == PIN_FREE:
                 pins[s] = PIN_HELD
-    counts[C_FOUND] += found
 
 
 @njit(cache=True, inline="always")

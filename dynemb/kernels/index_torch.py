@@ -13,7 +13,7 @@ import torch
 
 from dynemb.kernels.hashing import bucket_of, digest_of, index_hash
 from dynemb.kernels.index_numba import (
-    C_EVICTED, C_FAILED, C_FOUND, C_INSERTED, C_SIZE_DELTA, EMPTY_KEY, P_CUSTOM, P_LFU, P_LRU,
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_ERASED, EMPTY_KEY, P_CUSTOM, P_LFU, P_LRU,
     P_NO_EVICTION, PIN_FREE, PIN_HELD,
 )
 
@@ -47,7 +47,6 @@ def find_pass(ix, keys, custom, policy: int, step: int, touch: bool, pin: bool) 
         _touch(ix, found, custom[hit] if custom.numel() else custom, policy, step)
     if pin:
         ix.pins[found] = torch.where(ix.pins[found] == PIN_FREE, PIN_HELD, ix.pins[found])
-    ix.counts[C_FOUND] += int(hit.sum())
     return slots
 
 
@@ -68,7 +67,7 @@ def _candidates(ix, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     0 free, 1 evictable, 2 pinned; both (len(buckets), width)."""
     w = ix.width
     slots = buckets[:, None] * w + torch.arange(w, device=buckets.device)
-    free = ix.digests[slots] <= 1
+    free = ix.digests[slots] <= D_ERASED
     pinned = ix.pins[slots] != PIN_FREE
     key = torch.where(free, torch.iinfo(torch.int64).min, ix.scores[slots])
     key = torch.where(pinned & ~free, _I64_MAX, key)
@@ -144,10 +143,10 @@ def insert_pass(ix, keys, custom, policy: int, step: int):
     if policy == P_CUSTOM and custom.numel() > 0:  # later duplicates re-touch (numba order)
         dup = (slots >= 0) & ~inserted
         ix.scores[slots[dup]] = custom[dup]
-    ix.counts[C_INSERTED] += int(take.sum())
-    ix.counts[C_EVICTED] += int(evict.sum())
-    ix.counts[C_FAILED] += int((slots < 0).sum())
-    ix.counts[C_SIZE_DELTA] += int((kind_o == 0).sum())
+    ix.counts[C_INSERTED] += take.sum()  # tensor adds: no device sync on CUDA
+    ix.counts[C_EVICTED] += evict.sum()
+    ix.counts[C_FAILED] += (slots < 0).sum()
+    ix.counts[C_SIZE_DELTA] += (kind_o == 0).sum()
     return slots, inserted, ev
 
 
@@ -176,7 +175,7 @@ def erase(ix, keys: torch.Tensor) -> torch.Tensor:
     _, slots = _locate(ix, keys)
     hit = slots[slots >= 0]
     ix.keys[hit] = EMPTY_KEY
-    ix.digests[hit] = 1
+    ix.digests[hit] = D_ERASED
     ix.scores[hit] = 0
     ix.counts[C_SIZE_DELTA] -= hit.numel()
     return slots

@@ -14,9 +14,12 @@ from dynemb.kernels.rows_numba import INIT_CONSTANT, INIT_UNIFORM, QUANTILE_BITS
 
 
 @functools.lru_cache(maxsize=16)
-def quantile_table(bound: float) -> torch.Tensor:
+def quantile_table(bound: float, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """(2**16 + 1,) quantiles of the standard normal truncated at ±bound, at equally spaced
-    probabilities (the init kernels interpolate it); float32 so it stays in L2 cache."""
+    probabilities (the init kernels interpolate it); float32 so it stays in L2 cache. Cached
+    per (bound, device)."""
+    if device.type != "cpu":
+        return quantile_table(bound).to(device)
     lo = torch.special.ndtr(torch.tensor(-bound, dtype=torch.float64))
     p = lo + (1.0 - 2.0 * lo) * torch.arange(2**QUANTILE_BITS + 1, dtype=torch.float64) / 2**QUANTILE_BITS
     return torch.special.ndtri(p).clamp(-bound, bound).to(torch.float32)
@@ -38,7 +41,7 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
         v = a + (b - a) * ((_bits32(key_mix, j).to(torch.float64) + 0.5) * 2.0**-32)
     else:
         bits = _bits32(key_mix, j)
-        q = quantiles.to(device=keys.device, dtype=torch.float64)
+        q = quantiles.to(dtype=torch.float64)
         i = bits >> QUANTILE_BITS
         f = (bits & 0xFFFF).to(torch.float64) * 2.0**-16
         q0 = q[i]

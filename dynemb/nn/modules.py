@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dynemb.batch import SparseBatch
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
-from dynemb.table.table import DynamicTable, Lookup
+from dynemb.table.table import DynamicTable, Lookup, canonical_device
 
 
 @dataclass
@@ -56,13 +56,42 @@ class _PoolState:
     """(N,) float32 per-id weights, or empty."""
     batch: int
     mean: bool
+    entries: torch.Tensor | None = None
+    """(U, dim) the entries' embeddings as forward saw them (kept only when the weights need a
+    gradient: backward must not read rows an update may have changed since)."""
 
-    def run(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pool(self, keep_entries: bool = False) -> torch.Tensor:
+        """(B, F·dim) float32 pooled output."""
         t = self.table
+        out = torch.empty(self.batch, len(t.config.features) * t.dim, dtype=torch.float32,
+                          device=t.device)
+        if out.numel() == 0:
+            return out
         src, extra = t.sources(self.lookup)
         t.backend.pool(t.rows, extra, src, self.lookup.inverse, self.lengths, self.weights,
                        self.batch, t.dim, self.mean, out)
-        return src, extra
+        if keep_entries:
+            self.entries = t.embeddings(self.lookup)
+        return out
+
+    def backward(self, gout: torch.Tensor, want_wgrad: bool) -> torch.Tensor:
+        """Sums ``gout`` (B, F·dim) per entry into the fused optimizer; returns the weights'
+        gradient (N,) (empty unless ``want_wgrad``)."""
+        t, lk = self.table, self.lookup
+        grads = torch.zeros(lk.unique_keys.numel(), t.dim, dtype=torch.float32, device=t.device)
+        wgrad = torch.empty(self.weights.numel() if want_wgrad else 0, dtype=torch.float32,
+                            device=t.device)
+        if gout.numel():
+            if want_wgrad:  # read the entries as forward saw them
+                rows, extra = self.entries, self.entries[:0]
+                src = torch.arange(rows.shape[0], device=t.device)
+            else:
+                rows, (src, extra) = t.rows, t.sources(lk)
+            t.backend.pool_backward(gout.to(torch.float32).contiguous(), rows, extra, src,
+                                    lk.inverse, self.lengths, self.weights, self.batch, t.dim,
+                                    self.mean, grads, wgrad)
+        t.apply_gradients(lk, grads)
+        return wgrad
 
 
 class _PooledFn(torch.autograd.Function):
@@ -73,24 +102,12 @@ class _PooledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _PoolState, anchor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        t = state.table
-        out = torch.empty(state.batch, state.lengths.numel() // state.batch * t.dim,
-                          dtype=torch.float32, device=t.device)
-        state.run(out)
-        return out
+        return state.pool(keep_entries=ctx.needs_input_grad[2])
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):
-        st = ctx.state
-        t, lk = st.table, st.lookup
-        src, extra = t.sources(lk)
-        grads = torch.zeros(src.numel(), t.dim, dtype=torch.float32, device=t.device)
         want_w = ctx.needs_input_grad[2]
-        wgrad = torch.empty(st.weights.numel() if want_w else 0, dtype=torch.float32,
-                            device=t.device)
-        t.backend.pool_backward(gout.to(torch.float32), t.rows, extra, src, lk.inverse,
-                                st.lengths, st.weights, st.batch, t.dim, st.mean, grads, wgrad)
-        t.apply_gradients(lk, grads)
+        wgrad = ctx.state.backward(gout, want_w)
         return None, None, (wgrad if want_w else None)
 
 
@@ -163,7 +180,7 @@ class _Collection(torch.nn.Module):
                     raise ConfigError(f"{type(self).__name__}: feature {f!r} is in tables "
                                       f"{owner[f]!r} and {t.name!r}; a feature has one table.")
                 owner[f] = t.name
-        self.device = torch.device(device or "cpu")
+        self.device = canonical_device(device)
         self.tables: dict[str, DynamicTable] = {
             t.name: DynamicTable(t, device=self.device, backend=backend) for t in tables}
         self.feature_names: tuple[str, ...] = tuple(f for t in tables for f in t.features)
@@ -178,18 +195,18 @@ class _Collection(torch.nn.Module):
             raise InputError(f"{type(self).__name__}: batch features do not match the tables: "
                              f"unknown {unknown}, missing {missing}; expected {list(self.feature_names)}.")
 
-    def _table_rows(self, table: DynamicTable, batch: SparseBatch):  # EmbeddingCollection
-        """Resolves all features of ``table`` at once: ((U, dim) rows, per-feature
-        (inverse ids, lengths, weights))."""
+    def _table_ids(self, table: DynamicTable, batch: SparseBatch):
+        """All ids of ``table``'s features, feature after feature: (keys (N,), lengths (F·B,)
+        int64, weights (N,) or None), on the module's device, checked against each other (a
+        batch whose tensors were changed after construction must not reach the kernels)."""
         parts = [batch.feature(f) for f in table.config.features]
         keys = torch.cat([p[0] for p in parts]).to(self.device)
-        lk = table.lookup(keys, train=self.training)
-        if self.training and torch.is_grad_enabled():
-            rows = _RowsFn.apply(_LookupState(table, lk), self._anchor)
-        else:
-            rows = table.embeddings(lk)
-        inverse = torch.split(lk.inverse, [p[0].numel() for p in parts])
-        return rows, [(inv, p[1].to(self.device), p[2]) for inv, p in zip(inverse, parts)]
+        lengths = torch.cat([p[1] for p in parts]).to(self.device, torch.int64).contiguous()
+        weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
+        if lengths.numel() and (int(lengths.sum()) != keys.numel() or int(lengths.min()) < 0):
+            raise InputError(f"table {table.name!r}: the batch's lengths no longer match its ids "
+                             "(was the SparseBatch changed after it was built?); build a new one.")
+        return keys, lengths, weights
 
 
 class EmbeddingBagCollection(_Collection):
@@ -209,28 +226,20 @@ class EmbeddingBagCollection(_Collection):
         grad = self.training and torch.is_grad_enabled()
         for table in self.tables.values():
             state, weights = self._pool_state(table, batch)
-            if grad:
-                outs.append(_PooledFn.apply(state, self._anchor, weights))
-            else:
-                out = torch.empty(state.batch, len(table.config.features) * table.dim,
-                                  device=self.device)
-                state.run(out)
-                outs.append(out)
+            outs.append(_PooledFn.apply(state, self._anchor, weights) if grad else state.pool())
             keys += table.config.features
             dims += [table.dim] * len(table.config.features)
         return KeyedEmbeddings(keys, dims, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
     def _pool_state(self, table: DynamicTable, batch: SparseBatch) -> tuple[_PoolState, torch.Tensor]:
         """The table's lookup over all its features, and the weights tensor autograd should see."""
-        parts = [batch.feature(f) for f in table.config.features]
-        keys = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
-        lengths = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-        if batch.weights is None:
+        keys, lengths, weights = self._table_ids(table, batch)
+        if weights is None:
             weights = torch.empty(0, dtype=torch.float32, device=self.device)
         else:
-            weights = torch.cat([p[2] for p in parts]).to(device=self.device, dtype=torch.float32)
-        lk = table.lookup(keys.to(self.device), train=self.training)
-        state = _PoolState(table=table, lookup=lk, lengths=lengths.to(self.device, torch.int64).contiguous(),
+            weights = weights.to(device=self.device, dtype=torch.float32)
+        lk = table.lookup(keys, train=self.training)
+        state = _PoolState(table=table, lookup=lk, lengths=lengths,
                            weights=weights.detach().contiguous(), batch=batch.batch_size,
                            mean=table.config.pooling == PoolingMode.MEAN)
         return state, weights
@@ -247,7 +256,14 @@ class EmbeddingCollection(_Collection):
                              "unpooled lookup cannot apply; pass the batch without weights.")
         out: dict[str, JaggedEmbeddings] = {}
         for table in self.tables.values():
-            rows, feats = self._table_rows(table, batch)
-            for name, (inv, lengths, _) in zip(table.config.features, feats):
-                out[name] = JaggedEmbeddings(values=F.embedding(inv, rows), lengths=lengths)
+            keys, lengths, _ = self._table_ids(table, batch)
+            lk = table.lookup(keys, train=self.training)
+            if self.training and torch.is_grad_enabled():
+                rows = _RowsFn.apply(_LookupState(table, lk), self._anchor)
+            else:
+                rows = table.embeddings(lk)
+            bags = lengths.view(len(table.config.features), batch.batch_size)
+            counts = bags.sum(dim=1).tolist()
+            for name, inv, bag_lengths in zip(table.config.features, lk.inverse.split(counts), bags):
+                out[name] = JaggedEmbeddings(values=F.embedding(inv, rows), lengths=bag_lengths)
         return out

@@ -40,21 +40,21 @@ class RowOptimizer:
                               if isinstance(config, Adagrad) else 0.0)
         self.step = 0
 
-    def clip_(self, grads: torch.Tensor, valid: torch.Tensor) -> None:
-        """Scales ``grads`` in place so the L2 norm of its valid rows is at most max_grad_norm."""
+    def clip(self, grads: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``grads`` scaled so the L2 norm of its valid rows is at most max_grad_norm (a new
+        tensor when scaled: the caller's stays as it was)."""
         max_norm = self.config.max_grad_norm
         if max_norm is None:
-            return
+            return grads
         total = torch.linalg.vector_norm(grads[valid].double())
         scale = max_norm / (float(total) + 1e-6)
-        if scale < 1.0:
-            grads.mul_(scale)
+        return grads * scale if scale < 1.0 else grads
 
     def apply(self, backend, rows: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """One update of the rows at ``slots`` (U,) (-1 skipped) with ``grads`` (U, dim) float32."""
         self.step += 1
         c, t = self.config, self.step
-        self.clip_(grads, slots >= 0)
+        grads = self.clip(grads, slots >= 0)
         kind = type(c)
         if kind is SGD:
             backend.optimizer("sgd")(rows, slots, grads, c.lr, c.weight_decay)

@@ -45,10 +45,3 @@ class HashIndex:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.scores, self.digests, self.pins))
-
-    def clear(self) -> None:
-        self.keys.fill_(EMPTY_KEY)
-        self.scores.zero_()
-        self.digests.zero_()
-        self.pins.fill_(PIN_FREE)
-        self.counts[C_SIZE_DELTA] = 0

@@ -15,7 +15,7 @@ from dynemb.optim.rules import state_width
 VALUE_BYTES = 4  # float32
 INDEX_BYTES_PER_SLOT = 8 + 8 + 1 + 4  # key, score, digest, pin (lookup scratch)
 COUNTER_BUCKET = 128
-MIN_BUCKET = 8  # digests are scanned 8 at a time
+MIN_BUCKET = 8  # the smallest bucket (TableConfig.bucket_capacity's lower bound)
 
 
 @dataclass(frozen=True, kw_only=True)

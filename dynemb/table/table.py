@@ -14,7 +14,9 @@ from dynemb.config import Initializer, OnFull, ScorePolicy, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
 from dynemb.kernels.hashing import GOLDEN, to_signed
-from dynemb.kernels.index_numba import C_EVICTED, C_INSERTED
+from dynemb.kernels.index_numba import (
+    C_EVICTED, C_INSERTED, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP,
+)
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.index import HashIndex
@@ -25,8 +27,13 @@ from dynemb.table.stats import (
 
 logger = logging.getLogger(__name__)
 
-POLICY_CODES = {ScorePolicy.LRU: 0, ScorePolicy.LFU: 1, ScorePolicy.STEP: 2,
-                ScorePolicy.CUSTOM: 3, ScorePolicy.NO_EVICTION: 4}
+POLICY_CODES = {ScorePolicy.LRU: P_LRU, ScorePolicy.LFU: P_LFU, ScorePolicy.STEP: P_STEP,
+                ScorePolicy.CUSTOM: P_CUSTOM, ScorePolicy.NO_EVICTION: P_NO_EVICTION}
+
+
+def canonical_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as tensors report it ("cuda" becomes "cuda:0"), default CPU."""
+    return torch.empty(0, device=device or "cpu").device
 
 
 @dataclass
@@ -65,7 +72,7 @@ class DynamicTable:
         self.config = config
         self.name = config.name
         self.dim = config.dim
-        self.device = torch.device(device or "cpu")
+        self.device = canonical_device(device)
         self.backend = backend_for(self.device, backend)
         self.index = HashIndex(config.capacity, config.bucket_capacity, self.device, self.backend)
         self.optimizer = RowOptimizer(config.optimizer, config.dim)
@@ -80,6 +87,9 @@ class DynamicTable:
         self._no_scores = torch.empty(0, dtype=torch.int64, device=self.device)
         self._epoch = 0
         self._counters: Counter[str] = Counter()
+        # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
+        # (set it each step, e.g. to a timestamp); None gives new keys the table step.
+        self.lookup_score: int | None = None
 
     # ------------------------------------------------------------------ public verbs
 
@@ -127,9 +137,9 @@ class DynamicTable:
                            custom=self._scores(scores, keys, "insert_or_assign"))
         slots = lk.unique_slots[lk.inverse]
         ok = slots >= 0
-        self.rows[slots[ok], :self.dim] = values[ok].to(self.rows)
+        self.rows[slots[ok], :self.dim] = values.detach()[ok].to(self.rows)
         if optimizer_state is not None:
-            self.rows[slots[ok], self.dim:] = optimizer_state[ok].to(self.rows)
+            self.rows[slots[ok], self.dim:] = optimizer_state.detach()[ok].to(self.rows)
         self._mark_written(slots[ok])
         return lk.evicted
 
@@ -145,9 +155,9 @@ class DynamicTable:
     def export_batch(self, start: int, count: int) -> ExportBatch:
         """The rows in slots [start, start + count) (iterate start = 0, count, 2·count, ... up to
         ``capacity()`` to export the whole table)."""
-        if start < 0 or count < 0:
-            raise InputError(f"table {self.name!r}: export_batch needs start, count >= 0, "
-                             f"found {start}, {count}.")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, count)):
+            raise InputError(f"table {self.name!r}: export_batch needs ints start, count >= 0, "
+                             f"found {start!r}, {count!r}.")
         slots = self.index.occupied(min(start, self.capacity()), min(start + count, self.capacity()))
         rows = self.rows[slots]
         return ExportBatch(keys=self.index.keys[slots], embeddings=rows[:, :self.dim],
@@ -185,7 +195,10 @@ class DynamicTable:
         scores returned; their rows are copied out only with ``keep_evicted`` (a copy the
         single-tier training path does not need)."""
         keys = self._keys(keys, "lookup")
-        return self._resolve(keys, touch=train, insert=train, admit=True, custom=None,
+        custom = None
+        if train and self.config.score == ScorePolicy.CUSTOM and self.lookup_score is not None:
+            custom = torch.full_like(keys, int(self.lookup_score))
+        return self._resolve(keys, touch=train, insert=train, admit=True, custom=custom,
                              keep_evicted=keep_evicted)
 
     def embeddings(self, lk: Lookup) -> torch.Tensor:
@@ -324,7 +337,17 @@ class DynamicTable:
             raise InputError(f"table {self.name!r}: {verb} got scores but the table's score "
                              f"policy is {self.config.score.name}; scores need ScorePolicy.CUSTOM.")
         self._check_shape("scores", scores, (keys.numel(),))
-        return scores.to(device=self.device, dtype=torch.int64)
+        if scores.dtype.is_floating_point or scores.dtype == torch.bool:
+            raise InputError(f"table {self.name!r}: {verb} expects integer scores, found "
+                             f"{scores.dtype}.")
+        scores = scores.to(device=self.device, dtype=torch.int64)
+        uk, inv = torch.unique(keys, return_inverse=True)
+        if uk.numel() < keys.numel():  # one score per key: duplicates must agree
+            low = torch.full_like(uk, torch.iinfo(torch.int64).max).scatter_reduce(0, inv, scores, "amin")
+            if not bool((low[inv] == scores).all()):
+                raise InputError(f"table {self.name!r}: {verb} got one key twice with different "
+                                 "scores; give each key one score.")
+        return scores
 
     def _check_shape(self, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:

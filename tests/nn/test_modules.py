@@ -42,9 +42,7 @@ def test_keyed_embeddings_layout(backend):
 
 def test_batch_feature_order_does_not_matter(backend):
     ebc = _ebc(backend)
-    ebc.eval()
     a = _batch()
-    ebc.train()
     ebc(a)
     ebc.eval()
     b = dynemb.SparseBatch.from_dict({"user_id": [[1], [2]], "clicked": [[], [9, 9, 4]],
@@ -187,3 +185,45 @@ def test_a_batch_without_ids(backend):
     out = ebc(empty)
     assert torch.equal(out.values(), torch.zeros(2, 11))
     out.values().sum().backward()
+
+
+def test_a_batch_of_zero_samples(backend):
+    ebc = _ebc(backend)
+    empty = dynemb.SparseBatch(features=["item_id", "clicked", "user_id"],
+                               values=torch.zeros(0, dtype=torch.int64),
+                               lengths=torch.zeros(0, dtype=torch.int64))
+    out = ebc(empty)
+    assert out.values().shape == (0, 11)
+    out.values().sum().backward()
+    ebc.eval()
+    assert ebc(empty).values().shape == (0, 11)
+    ec = dynemb.EmbeddingCollection(
+        [dynemb.TableConfig(name="t", dim=3, features=["a"], capacity=64)], backend=backend)
+    got = ec(dynemb.SparseBatch(features=["a"], values=torch.zeros(0, dtype=torch.int64),
+                                lengths=torch.zeros(0, dtype=torch.int64)))
+    assert got["a"].values.shape == (0, 3) and got["a"].lengths.numel() == 0
+
+
+def test_weight_gradient_uses_the_rows_forward_saw(backend):
+    """Two forwards, then one backward: the second forward's update must not leak into the
+    first's weight gradient (rows change only in backward, but backward order is autograd's)."""
+    cfg = dynemb.TableConfig(name="t", dim=2, features=["f"], capacity=64,
+                             optimizer=dynemb.SGD(lr=1.0))
+    ebc = dynemb.EmbeddingBagCollection([cfg], backend=backend)
+    ebc.tables["t"].insert_or_assign(torch.tensor([1]), torch.ones(1, 2))
+    w1 = torch.ones(1, requires_grad=True)
+    w2 = torch.ones(1, requires_grad=True)
+    b1 = dynemb.SparseBatch(features=["f"], values=torch.tensor([1]), lengths=torch.tensor([1]),
+                            weights=w1)
+    b2 = dynemb.SparseBatch(features=["f"], values=torch.tensor([1]), lengths=torch.tensor([1]),
+                            weights=w2)
+    (ebc(b1).values().sum() + ebc(b2).values().sum()).backward()
+    assert w1.grad.tolist() == [2.0] and w2.grad.tolist() == [2.0]
+
+
+def test_a_batch_changed_after_construction_is_refused(backend):
+    ebc = _ebc(backend)
+    batch = _batch()
+    batch.lengths[0] = 5
+    with pytest.raises(InputError, match="changed after"):
+        ebc(batch)

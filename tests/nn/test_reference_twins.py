@@ -56,15 +56,17 @@ def _dyn_collection(cls, optimizer, pooling, features, keys, backend):
 
 
 def _row_wise_adagrad_step(weight: torch.Tensor, state: torch.Tensor, grad: torch.Tensor,
-                           lr: float, eps: float) -> None:
-    """The row-wise Adagrad formula on the rows with a nonzero gradient (the touched rows)."""
+                           config: dynemb.RowWiseAdagrad, step: int) -> None:
+    """The row-wise Adagrad formula on the rows with a nonzero gradient (the touched rows):
+    g += wd·w; m += mean(g²); w -= lr / (1 + (t - 1)·lr_decay) · g / (sqrt(m) + eps)."""
     rows = torch.nonzero(grad.abs().sum(1) > 0).flatten()
-    g = grad[rows]
+    g = grad[rows] + config.weight_decay * weight.data[rows]
     state[rows] += (g * g).mean(1)
-    weight.data[rows] -= lr * g / (state[rows].sqrt() + eps)[:, None]
+    clr = config.lr / (1 + (step - 1) * config.lr_decay)
+    weight.data[rows] -= clr * g / (state[rows].sqrt() + config.eps)[:, None]
 
 
-def _torch_optimizer(config, params, *, sparse: bool):
+def _torch_optimizer(config, params):
     if isinstance(config, dynemb.RowWiseAdagrad):
         return None
     if isinstance(config, dynemb.SGD):
@@ -87,7 +89,7 @@ def _rows_of(module, keys):
 OPTIMIZERS = {
     "sgd": dynemb.SGD(lr=0.1),
     "adagrad": dynemb.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
-    "rowwise_adagrad": dynemb.RowWiseAdagrad(lr=0.1),
+    "rowwise_adagrad": dynemb.RowWiseAdagrad(lr=0.1, lr_decay=0.02),
     "adam": dynemb.Adam(lr=0.05),
 }
 
@@ -99,10 +101,11 @@ def _run_twins(optimizer, pooling, weighted, backend, *, features=("a",), dense_
                            backend)
     ref = torch.nn.EmbeddingBag(keys.numel(), DIM, mode="sum", sparse=not dense_ref)
     ref.weight.data.copy_(_start_rows(keys))
-    opt = _torch_optimizer(optimizer, ref.parameters(), sparse=not dense_ref)
+    opt = _torch_optimizer(optimizer, ref.parameters())
     rw_state = torch.zeros(keys.numel())
     proj = torch.randn(5, DIM * len(features), generator=torch.Generator().manual_seed(3))
-    for batch, idx in _batches(keys, features, weighted=weighted, cover_all=dense_ref):
+    for step, (batch, idx) in enumerate(_batches(keys, features, weighted=weighted,
+                                                 cover_all=dense_ref), start=1):
         w_ours = None if batch.weights is None else batch.weights.clone().requires_grad_(True)
         if w_ours is not None:
             batch = dynemb.SparseBatch(features=batch.features, values=batch.values,
@@ -126,8 +129,8 @@ def _run_twins(optimizer, pooling, weighted, backend, *, features=("a",), dense_
             g = ref.weight.grad + optimizer.weight_decay * ref.weight.data
             ref.weight.grad = g.to_sparse()
         if opt is None:
-            _row_wise_adagrad_step(ref.weight, rw_state, ref.weight.grad.to_dense(),
-                                   optimizer.lr, optimizer.eps)
+            _row_wise_adagrad_step(ref.weight, rw_state, ref.weight.grad.to_dense(), optimizer,
+                                   step)
             ref.weight.grad = None
         else:
             opt.step()
@@ -162,7 +165,7 @@ def test_features_sharing_a_table_match_one_embedding_bag(backend):
                features=("clicked", "item"))
 
 
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 def test_weight_decay_matches_torch(name, backend):
     base = OPTIMIZERS[name]
     cfg = type(base)(**{**base.__dict__, "weight_decay": 0.05})
@@ -203,7 +206,7 @@ def test_embedding_collection_matches_nn_embedding(name, backend):
                            ["a"], keys, backend)
     ref = torch.nn.Embedding(keys.numel(), DIM, sparse=True)
     ref.weight.data.copy_(_start_rows(keys))
-    opt = _torch_optimizer(optimizer, ref.parameters(), sparse=True)
+    opt = _torch_optimizer(optimizer, ref.parameters())
     for batch, idx in _batches(keys, ["a"], weighted=False, cover_all=False):
         jagged = ours(batch)["a"]
         assert torch.equal(jagged.lengths, batch.lengths)

@@ -970,3 +970,43 @@ def test_random_operations_match_bucket_model(make_table, policy):
         assert got == model.counts, where
         assert s.size == len(model.rows) and s.step == model.step
     assert model.counts["evicted"] + model.counts["failed_inserts"] > 0  # the bucket was full
+
+
+# ---------------------------------------------------------------- review follow-ups
+
+
+def test_custom_lookup_score_is_used_by_training_lookups(make_table):
+    t = make_table(score=dynemb.ScorePolicy.CUSTOM, on_full=dynemb.OnFull.COUNT)
+    t.lookup_score = 1000
+    t.lookup(torch.tensor([1, 2]), train=True)
+    exp = t.export_batch(0, t.capacity())
+    assert exp.scores.tolist() == [1000, 1000]
+    t.lookup_score = 5  # a lower score: existing keys touched get it, no refusal of new ones
+    t.lookup(torch.tensor([1, 3]), train=True)
+    got = dict(zip(*(x.tolist() for x in (t.export_batch(0, t.capacity()).keys,
+                                             t.export_batch(0, t.capacity()).scores))))
+    assert got == {1: 5, 2: 1000, 3: 5}
+
+
+def test_custom_scores_must_agree_for_a_repeated_key(make_table):
+    t = make_table(score=dynemb.ScorePolicy.CUSTOM)
+    t.find_or_insert(torch.tensor([7, 7]), scores=torch.tensor([3, 3]))  # agreeing: fine
+    with pytest.raises(InputError, match="different scores"):
+        t.find_or_insert(torch.tensor([8, 8]), scores=torch.tensor([3, 4]))
+    with pytest.raises(InputError, match="integer scores"):
+        t.find_or_insert(torch.tensor([9]), scores=torch.tensor([1.5]))
+
+
+def test_insert_or_assign_does_not_record_autograd_history(make_table):
+    t = make_table()
+    p = torch.nn.Parameter(torch.ones(2, 4))
+    t.insert_or_assign(torch.tensor([1, 2]), p)
+    assert not t.rows.requires_grad and t.rows.grad_fn is None
+    assert not t.find(torch.tensor([1])).values.requires_grad
+
+
+def test_export_batch_refuses_non_int_ranges(make_table):
+    t = make_table()
+    for bad in ((0.5, 3), ("0", 3), (0, True), (-1, 2)):
+        with pytest.raises(InputError, match="export_batch"):
+            t.export_batch(*bad)
