@@ -216,7 +216,10 @@ class EmbeddingBagCollection(_Collection):
 
     Args:
         tables: table configs (distinct names; each feature in one table).
-        device: where tables live and outputs are made (default CPU).
+        device: where tables live and outputs are made (default CPU). Tables are not
+            ``nn.Parameter``s: ``Module.to()`` does not move them and ``state_dict()`` holds no
+            rows; choose the device here, and save rows with ``export_batch`` (checkpoints are
+            a separate issue).
         backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
     """
 
