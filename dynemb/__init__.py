@@ -9,13 +9,14 @@ from dynemb import errors
 from dynemb.batch import EMPTY_KEY, SparseBatch
 from dynemb.config import (
     SGD, Adagrad, Adam, Admission, Initializer, InitKind, OnFull, OptimizerConfig, PoolingMode,
-    RowWiseAdagrad, ScorePolicy, TableConfig,
+    Routing, RowWiseAdagrad, ScorePolicy, TableConfig,
 )
 from dynemb.nn import EmbeddingBagCollection, EmbeddingCollection, JaggedEmbeddings, KeyedEmbeddings
 from dynemb.table import (
     DynamicTable, Evicted, ExportBatch, FindResult, InsertResult, MemoryUsage, TableStats,
     table_memory,
 )
+from dynemb import distributed  # after nn: the sharded collections build on the modules
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,6 @@ __all__ = [
     "EMPTY_KEY", "SGD", "Adagrad", "Adam", "Admission", "DynamicTable", "EmbeddingBagCollection",
     "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",
     "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "OnFull",
-    "OptimizerConfig", "PoolingMode", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
-    "TableConfig", "TableStats", "errors", "table_memory",
+    "OptimizerConfig", "PoolingMode", "Routing", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
+    "TableConfig", "TableStats", "distributed", "errors", "table_memory",
 ]

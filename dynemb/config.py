@@ -36,6 +36,22 @@ class PoolingMode(str, enum.Enum):
     MEAN = "mean"
 
 
+class Routing(str, enum.Enum):
+    """Which rank owns a key when a table is sharded row-wise over W ranks
+    (:func:`dynemb.distributed.route` is the one implementation).
+
+    CONTINUOUS: ``key // block`` for keys in ``[0, block·W)`` with ``block = ceil(id_range / W)``
+    (needs ``TableConfig.id_range``); other keys fall back to ``key mod W``.
+    ROUNDROBIN: ``key mod W``, the floor modulo (``-1`` goes to rank ``W - 1``).
+    HASH_ROUNDROBIN: ``fmix64(key) mod W`` on the key's unsigned 64-bit pattern (MurmurHash3's
+    64-bit finaliser): balanced for strided ids and ids with a type in their low bits.
+    """
+
+    CONTINUOUS = "continuous"
+    ROUNDROBIN = "roundrobin"
+    HASH_ROUNDROBIN = "hash_roundrobin"
+
+
 class OnFull(str, enum.Enum):
     """What a lookup does when a key cannot get a row (full bucket, no eviction possible).
 
@@ -222,7 +238,9 @@ class TableConfig:
     features: tuple[str, ...]
     """Feature names looked up in this table (several features may share a table)."""
     capacity: int
-    """Rows the table can hold (rounded up to whole buckets; see ``DynamicTable.capacity()``)."""
+    """Rows the table can hold (rounded up to whole buckets; see ``DynamicTable.capacity()``).
+    Sharded over W ranks this is the global capacity: each rank's shard holds
+    ``ceil(capacity / W)`` rows (see ``dynemb.distributed.shard_capacity``)."""
     optimizer: OptimizerConfig = field(default_factory=SGD)
     """Fused sparse optimizer applied in backward."""
     score: ScorePolicy = ScorePolicy.LRU
@@ -237,6 +255,11 @@ class TableConfig:
     """Optional frequency admission."""
     on_full: OnFull = OnFull.RAISE
     """What happens when a key cannot get a row."""
+    routing: Routing = Routing.HASH_ROUNDROBIN
+    """Which rank owns each key when the table is sharded (unused in a single process)."""
+    id_range: int | None = None
+    """Ids expected in ``[0, id_range)``: the block size of ``Routing.CONTINUOUS``
+    (``ceil(id_range / W)``), which requires it; an int in ``[1, 2**63]`` or None."""
     bucket_capacity: int = 128
     """Slots per hash bucket (a power of two in [8, 1024]; a table smaller than one bucket gets
     one bucket of the next power of two, at least 8)."""
@@ -261,9 +284,16 @@ class TableConfig:
             _fail(owner, "bucket_capacity", b, "a power of two in [8, 1024]")
         checks = (("optimizer", OptimizerConfig), ("score", ScorePolicy),
                   ("pooling", PoolingMode), ("initializer", Initializer),
-                  ("eval_initializer", Initializer), ("on_full", OnFull))
+                  ("eval_initializer", Initializer), ("on_full", OnFull), ("routing", Routing))
         for name, kind in checks:
             if not isinstance(getattr(self, name), kind):
                 _fail(owner, name, getattr(self, name), f"a {kind.__name__}")
         if self.admission is not None and not isinstance(self.admission, Admission):
             _fail(owner, "admission", self.admission, "an Admission or None")
+        r = self.id_range
+        if r is not None and (not _is_int(r) or not 1 <= r <= 2**63):
+            _fail(owner, "id_range", r, "an int in [1, 2**63] or None")
+        if self.routing == Routing.CONTINUOUS and r is None:
+            raise ConfigError(f"{owner}.id_range: routing=CONTINUOUS needs the id range "
+                              "(owner = key // ceil(id_range / W)), found None; set "
+                              "id_range=<1 + the largest id>, or choose Routing.HASH_ROUNDROBIN.")

@@ -1,0 +1,125 @@
+"""ShardedEmbeddingCollection: unpooled (one row per id) lookups over tables sharded row-wise.
+
+One step: route and deduplicate ids per (table, owner); header and key all-to-alls; the owner
+runs one lookup per table over every requester's keys and returns the rows of the keys each
+requester asked for (an all-to-all of (U, dim) rows); the requester expands them to one row per
+id. Backward sends the (U, dim) gradients back; the owner sums them per key across requesters and
+applies the fused optimizer once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dynemb.batch import SparseBatch
+from dynemb.config import TableConfig
+from dynemb.distributed import comm
+from dynemb.distributed.base import InputDist, ShardedCollection
+from dynemb.distributed.input_dist import TableRequest, counts_occurrences, plan_sequence
+from dynemb.distributed.owner import OwnerTable, parse_sequence
+from dynemb.errors import InputError
+from dynemb.nn.modules import EmbeddingCollection, JaggedEmbeddings
+
+
+@dataclass
+class _RowsStep:
+    """One step's autograd context: the module, the input distribution, the owner lookups."""
+
+    module: ShardedEmbeddingCollection
+    inp: InputDist
+    owners: list[OwnerTable]
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        """Per table, the (U, dim) rows of this rank's unique keys (``TableRequest`` order)."""
+        reqs = self.inp.requests
+        parts = [(o.rows(), [n * o.table.dim for n in o.received.unique_splits])
+                 for o in self.owners]
+        recv = [[req.unique_counts[r] * req.config.dim for req in reqs]
+                for r in range(self.module.world_size)]
+        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        return tuple(got[t].view(-1, req.config.dim) for t, req in enumerate(reqs))
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        """Sends each table's (U, dim) gradient to the owners, which apply the optimizers."""
+        parts = [(g.to(torch.float32), [n * req.config.dim for n in req.unique_counts])
+                 for g, req in zip(grads, self.inp.requests)]
+        recv = [[o.received.unique_splits[r] * o.table.dim for o in self.owners]
+                for r in range(self.module.world_size)]
+        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        summed = [o.row_grads(got[t].view(-1, o.table.dim)) for t, o in enumerate(self.owners)]
+        self.module.apply_optimizers(self.owners, summed)
+
+    def _exchange(self, parts, recv: list[list[int]]) -> torch.Tensor:
+        m = self.module
+        like = torch.empty(0, dtype=torch.float32, device=m.comm_device)
+        flat, splits = comm.pack(parts, m.world_size, like)
+        return m.all_to_all(flat, splits, [sum(row) for row in recv]).wait().to(m.device)
+
+
+class _ShardedRowsFn(torch.autograd.Function):
+    """Per table (U, dim) rows from the owners; backward ships their gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, step: _RowsStep, anchor: torch.Tensor):
+        ctx.step = step
+        return step.forward()
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.step.backward(grads)
+        return None, None
+
+
+class ShardedEmbeddingCollection(ShardedCollection):
+    """An :class:`~dynemb.EmbeddingCollection` whose tables are split row-wise over the ranks of
+    a process group: each rank passes its own batch (no weights) and gets
+    ``{feature: JaggedEmbeddings}`` of its own samples. Collective, like
+    :class:`~dynemb.distributed.ShardedEmbeddingBagCollection`."""
+
+    pooled_kind = False
+    local_class = EmbeddingCollection
+
+    def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
+        return self.sequence(self.input_dist(batch).wait())
+
+    def _check_batch(self, batch: SparseBatch) -> None:
+        super()._check_batch(batch)
+        if batch.weights is not None:
+            raise InputError(f"ShardedEmbeddingCollection (rank {self.rank}): the batch has "
+                             "per-id weights, which an unpooled lookup cannot apply; pass the "
+                             "batch without weights.")
+
+    def _plan(self, config: TableConfig, batch: SparseBatch) -> TableRequest:
+        return plan_sequence(config, batch, self.world_size, self.device,
+                             counts_occurrences(config, self.training))
+
+    def sequence(self, inp: InputDist) -> dict[str, JaggedEmbeddings]:
+        """Owner lookups and the row all-to-all of one distributed input."""
+        received = inp.received()
+        owners = []
+        for t, (config, table) in enumerate(zip(self.configs, self.tables.values())):
+            counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
+            parsed = parse_sequence([c.to(self.device) for c in received[t]], counts,
+                                    counts_occurrences(config, inp.training))
+            owners.append(OwnerTable.resolve(table, parsed, inp.training,
+                                             self.scratch(config.name)))
+        self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
+                     for o in owners])
+        step = _RowsStep(module=self, inp=inp, owners=owners)
+        if inp.training and inp.grad:
+            rows = _ShardedRowsFn.apply(step, self._anchor)
+        else:
+            rows = step.forward()
+        out: dict[str, JaggedEmbeddings] = {}
+        for req, table_rows in zip(inp.requests, rows):
+            lo = 0
+            for name in req.config.features:
+                values, lengths, _ = inp.batch.feature(name)
+                pos = req.position[lo:lo + values.numel()]
+                lo += values.numel()
+                out[name] = JaggedEmbeddings(values=F.embedding(pos, table_rows),
+                                             lengths=lengths.to(self.device))
+        return out
