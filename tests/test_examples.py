@@ -16,3 +16,19 @@ def test_quickstart_trains_and_the_loss_falls():
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
     assert last < first - 0.03, out
     assert "table user: 2,000 rows" in out
+
+
+def test_sharded_example_runs_under_torchrun():
+    """README/docs/sharding.md: `torchrun --nproc-per-node 2 examples/torchrun_sharded.py`."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           str(ROOT / "examples" / "torchrun_sharded.py"), "--steps", "100"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
+    assert last < first, out
+    assert re.search(r"table user: rows per rank \[\d+, \d+\]", out), out
