@@ -265,8 +265,9 @@ def bench_config(args, dim: int, opt: str, fb_why: str | None) -> dict:
     ours = impls[0]
     warm = warm_up(ours, stream, args)
     log(f"[train_step] dim {dim} {opt}: warm-up {warm}")
-    for impl in impls[1:]:
-        for _ in range(args.baseline_warmup_steps):
+    for impl in impls[1:]:  # dynemb_same_ids fills its table as long as dynemb did
+        n = warm["warmup_steps"] if isinstance(impl, OursSameIds) else args.baseline_warmup_steps
+        for _ in range(n):
             impl.step(stream.next())
     st0 = ours.table.stats()
     times, unique = time_rounds(impls, stream, args)
