@@ -24,7 +24,6 @@ from dynemb.distributed.routing import (
 )
 from dynemb.distributed.sequence import ShardedEmbeddingCollection
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats, max_over_mean
-from dynemb.errors import ConfigError
 from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection
 
 
@@ -48,20 +47,22 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     Returns:
         A :class:`ShardedEmbeddingBagCollection` or :class:`ShardedEmbeddingCollection`.
     """
-    if isinstance(module, EmbeddingBagCollection):
-        cls = ShardedEmbeddingBagCollection
-    elif isinstance(module, EmbeddingCollection):
-        cls = ShardedEmbeddingCollection
-    else:
-        raise ConfigError("dynemb.distributed.shard: expected an EmbeddingBagCollection or "
-                          f"EmbeddingCollection, found {type(module).__name__}.")
-    tables = list(module.tables.values())
-    filled = [t.name for t in tables if t.size() > 0]
     world_size, _ = group_size_rank(group)
-    raise_together(None if not filled else (
-        f"dynemb.distributed.shard: tables {filled} already hold rows; shard a freshly built "
-        "collection (rows are not redistributed), then train or load rows into the sharded "
-        "collection."), world_size, group)
+    kinds = {EmbeddingBagCollection: ShardedEmbeddingBagCollection,
+             EmbeddingCollection: ShardedEmbeddingCollection}
+    cls = next((v for k, v in kinds.items() if isinstance(module, k)), None)
+    filled = [] if cls is None else [t.name for t in module.tables.values() if t.size() > 0]
+    if cls is None:  # raised together: a lone rank raising here would leave the others waiting
+        problem = ("dynemb.distributed.shard: expected an EmbeddingBagCollection or "
+                   f"EmbeddingCollection, found {type(module).__name__}.")
+    elif filled:
+        problem = (f"dynemb.distributed.shard: tables {filled} already hold rows; shard a "
+                   "freshly built collection (rows are not redistributed), then train or load "
+                   "rows into the sharded collection.")
+    else:
+        problem = None
+    raise_together(problem, world_size, group)
+    tables = list(module.tables.values())
     backend = tables[0].backend.name
     sharded = cls([t.config for t in tables], group=group, device=module.device, backend=backend,
                   log_every=log_every)

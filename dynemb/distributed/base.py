@@ -16,11 +16,13 @@ from dynemb.distributed import comm
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, payload_size
 from dynemb.distributed.routing import shard_config
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats
-from dynemb.errors import ConfigError, InputError
 from dynemb.distributed.owner import OwnerTable, Scratch
+from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
+_BUILT = 0
+"""Sharded collections built by this process so far (part of each one's header digest)."""
 
 
 @dataclass
@@ -96,7 +98,11 @@ class ShardedCollection(torch.nn.Module):
         self.comm_device = comm.comm_device(group, self.device)
         self.feature_names: tuple[str, ...] = self.local.feature_names
         self.log_every = log_every
-        self._digest = comm.config_digest(tables, self.world_size, kind)
+        # every rank builds its sharded collections in the same order (construction is
+        # collective), so the build index tells apart two collections with equal tables
+        global _BUILT
+        _BUILT += 1
+        self._digest = comm.config_digest(tables, self.world_size, f"{kind}#{_BUILT}")
         self._anchor = torch.zeros(0, requires_grad=True)
         self._steps = 0
         self._received = [[0, 0] for _ in tables]  # per table: ids, unique keys
@@ -189,7 +195,7 @@ class ShardedCollection(torch.nn.Module):
             raise ConfigError(f"{name} (rank {self.rank}): rank(s) {other} called another sharded "
                               "collection (other tables, kind or world size) in the same "
                               "collective; call the sharded modules in the same order on every "
-                              "rank.")
+                              "rank (and build them in the same order).")
         bad = [r for r, row in enumerate(rows) if row[comm.H_STATUS] != comm.STATUS_OK]
         if bad:
             if error is not None:
@@ -224,6 +230,39 @@ class ShardedCollection(torch.nn.Module):
         for o, g in zip(owners, grads):
             o.table.apply_gradients(o.lookup, g)
 
+    def resolve_owners(self, inp: InputDist, parse) -> list[OwnerTable]:
+        """This rank's owner lookups for one step (``parse(t, config, counts, chunks)`` gives
+        table t's :class:`Received`), raising on every rank if any rank's lookup failed.
+
+        An owner-side error (a shard too full for its keys with ``on_full=RAISE``, say) happens
+        on one rank after the header exchange, while the others are about to wait in the next
+        all-to-all; one small all-reduce of a failure flag lets every rank raise instead of
+        leaving the others hanging. The failing rank raises its own error.
+        """
+        received = inp.received()
+        error: Exception | None = None
+        owners: list[OwnerTable] = []
+        try:
+            for t, (config, table) in enumerate(zip(self.configs, self.tables.values())):
+                counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
+                chunks = [c.to(self.device) for c in received[t]]
+                owners.append(OwnerTable.resolve(table, parse(t, config, counts, chunks),
+                                                 inp.training, self.scratch(config.name)))
+        except Exception as e:  # noqa: BLE001  (re-raised below, after the others are told)
+            error = e
+        flag = torch.tensor([0 if error is None else self.rank + 1], dtype=torch.int64,
+                            device=self.comm_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True).wait()
+        failed = int(flag[0]) - 1
+        if error is not None:
+            raise error
+        if failed >= 0:
+            raise DynembError(f"{type(self).__name__} (rank {self.rank}): rank {failed}'s owner "
+                              "lookup failed (its own error says why); every rank stops this "
+                              "step so none waits forever.")
+        self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
+                     for o in owners])
+        return owners
 
     def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int],
                    recv_splits: Sequence[int]) -> comm.Pending:

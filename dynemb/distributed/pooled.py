@@ -162,7 +162,8 @@ class _ShardedPooledFn(torch.autograd.Function):
         wgrad = ctx.step.backward(gout)
         if wgrad is None or not ctx.needs_input_grad[2]:
             return None, None, None
-        return None, None, wgrad.to(ctx.step.inp.batch.weights.dtype)
+        weights = ctx.step.inp.batch.weights
+        return None, None, wgrad.to(weights.device, weights.dtype)
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -186,17 +187,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def pooled(self, inp: InputDist) -> KeyedEmbeddings:
         """Owner lookups, pooling and the output all-to-all of one distributed input."""
-        received = inp.received()
-        owners = []
-        for t, (config, table) in enumerate(zip(self.configs, self.tables.values())):
-            counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
-            weighted = [inp.weighted(r) for r in range(self.world_size)]
-            parsed = parse_pooled([c.to(self.device) for c in received[t]], counts, weighted,
-                                  counts_occurrences(config, inp.training))
-            owners.append(OwnerTable.resolve(table, parsed, inp.training,
-                                             self.scratch(config.name)))
-        self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
-                     for o in owners])
+        weighted = [inp.weighted(r) for r in range(self.world_size)]
+        owners = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_pooled(
+            chunks, counts, weighted, counts_occurrences(config, inp.training)))
         step = _PooledStep(module=self, inp=inp, owners=owners)
         if inp.training and inp.grad:
             weights = inp.batch.weights

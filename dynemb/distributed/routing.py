@@ -77,16 +77,17 @@ def route(keys: torch.Tensor, world_size: int, mode: Routing | str = Routing.HAS
                          "with .long().")
     _check_world_size(world_size)
     mode = _routing(mode)
+    if mode == Routing.CONTINUOUS and (
+            id_range is None or not isinstance(id_range, int) or isinstance(id_range, bool)
+            or not 1 <= id_range <= 2**63):
+        raise ConfigError(f"route: Routing.CONTINUOUS needs id_range, an int in [1, 2**63], "
+                          f"found {id_range!r}; pass the table's TableConfig.id_range.")
     if world_size == 1:
         return torch.zeros_like(keys)
     if mode == Routing.ROUNDROBIN:
         return torch.remainder(keys, world_size)
     if mode == Routing.HASH_ROUNDROBIN:
         return umod(fmix64(keys), world_size)
-    if (id_range is None or not isinstance(id_range, int) or isinstance(id_range, bool)
-            or not 1 <= id_range <= 2**63):
-        raise ConfigError(f"route: Routing.CONTINUOUS needs id_range, an int in [1, 2**63], "
-                          f"found {id_range!r}; pass the table's TableConfig.id_range.")
     block = continuous_block(id_range, world_size)
     inside = keys >= 0
     if block * world_size < 2**63:  # else every non-negative int64 key is inside

@@ -98,16 +98,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def sequence(self, inp: InputDist) -> dict[str, JaggedEmbeddings]:
         """Owner lookups and the row all-to-all of one distributed input."""
-        received = inp.received()
-        owners = []
-        for t, (config, table) in enumerate(zip(self.configs, self.tables.values())):
-            counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
-            parsed = parse_sequence([c.to(self.device) for c in received[t]], counts,
-                                    counts_occurrences(config, inp.training))
-            owners.append(OwnerTable.resolve(table, parsed, inp.training,
-                                             self.scratch(config.name)))
-        self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
-                     for o in owners])
+        owners = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_sequence(
+            chunks, counts, counts_occurrences(config, inp.training)))
         step = _RowsStep(module=self, inp=inp, owners=owners)
         if inp.training and inp.grad:
             rows = _ShardedRowsFn.apply(step, self._anchor)
@@ -121,5 +113,5 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 pos = req.position[lo:lo + values.numel()]
                 lo += values.numel()
                 out[name] = JaggedEmbeddings(values=F.embedding(pos, table_rows),
-                                             lengths=lengths.to(self.device))
+                                             lengths=lengths.to(self.device, torch.int64))
         return out

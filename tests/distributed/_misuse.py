@@ -60,6 +60,9 @@ def misuse_job(rank: int, world_size: int, ports, results: dict) -> None:
 
     res["mode_mismatch"] = _outcome(modes)
     res["order_mismatch"] = _outcome(lambda: (m1 if rank == 0 else m2)(_batch()))
+    twin = _shard(_tables())  # the same tables as m1: only the build order tells them apart
+    res["twin_order_mismatch"] = _outcome(lambda: (m1 if rank == 0 else twin)(_batch()))
+    res["owner_full"] = _outcome(lambda: _owner_full(rank))
     # the group and the modules still work after every rank raised together
     res["recovered"] = _outcome(lambda: m1(_batch()).values().sum().backward())
     res["not_a_collection"] = _outcome(lambda: dynemb.distributed.shard(torch.nn.Linear(2, 2)))
@@ -74,3 +77,14 @@ def _world_size_changed(rank: int, ports, module) -> tuple[str, str]:
         return "skipped", "not in the new group"
     init_group(rank, 2, ports[1])
     return _outcome(lambda: module(_batch()))
+
+
+def _owner_full(rank: int) -> None:
+    """Every key is owned by rank 1 (roundrobin, keys = 1 mod 6), whose 8-row shard cannot hold
+    them: only rank 1's lookup fails, after the header; every rank must raise, none hang."""
+    table = dynemb.TableConfig(name="full", dim=2, features=["f"], capacity=16,
+                               routing=dynemb.Routing.ROUNDROBIN,
+                               score=dynemb.ScorePolicy.NO_EVICTION)
+    m = dynemb.distributed.shard(dynemb.EmbeddingBagCollection([table]))
+    keys = torch.arange(40) * 6 + 1 + 6000 * rank
+    m(dynemb.SparseBatch(features=["f"], values=keys, lengths=torch.ones(40, dtype=torch.int64)))

@@ -169,3 +169,9 @@ def test_table_config_routing_validation():
     cfg = dynemb.TableConfig(**kw, routing=R.CONTINUOUS, id_range=1 << 63)
     assert cfg.id_range == 1 << 63
     assert R("hash_roundrobin") is R.HASH_ROUNDROBIN and R.ROUNDROBIN.value == "roundrobin"
+
+
+def test_continuous_needs_id_range_at_any_world_size():
+    for w in (1, 2):
+        with pytest.raises(dynemb.errors.ConfigError, match="id_range"):
+            route(torch.tensor([1, 2]), w, dynemb.Routing.CONTINUOUS)

@@ -118,6 +118,7 @@ MISUSE = {
     "weighted_ec": ("InputError", ["weights"]),
     "mode_mismatch": ("InputError", ["train/eval"]),
     "order_mismatch": ("ConfigError", ["same order"]),
+    "twin_order_mismatch": ("ConfigError", ["same order"]),
     "not_a_collection": ("ConfigError", ["EmbeddingBagCollection", "Linear"]),
 }
 
@@ -137,6 +138,18 @@ def test_misuse_raises_on_every_rank(job, world_size, scenario):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_group_usable_after_errors(job, world_size):
     assert all(r["misuse"]["recovered"] == ("ok", "") for r in job(world_size))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_an_owner_side_failure_raises_on_every_rank(job, world_size):
+    """Only rank 1 owns the keys and its shard is full: rank 1 raises its CapacityError, every
+    other rank a DynembError naming rank 1, and nobody hangs (the job finished)."""
+    for r, res in enumerate(job(world_size)):
+        kind, msg = res["misuse"]["owner_full"]
+        if r == 1:
+            assert kind == "CapacityError" and "'full'" in msg, msg
+        else:
+            assert kind == "DynembError" and "rank 1's owner lookup failed" in msg, msg
 
 
 def test_world_size_change_is_refused(job):
