@@ -84,3 +84,46 @@ def test_train_step_smoke(tmp_path):
             assert positive(fb["step_ms"]) and positive(fb["mids_per_s"])
             assert positive(r["ratios"]["mids_per_s_vs_fbgemm_tbe"])
     assert len(rec["targets"]) == 6  # each optimizer: with churn, and on the baselines' ids
+
+
+def test_routing_balance_smoke(tmp_path):
+    rec = run_smoke("routing_balance", tmp_path)
+    modes = ("continuous", "roundrobin", "hash_roundrobin")
+    got = {(r["dist"], r["world_size"]) for r in rec["results"]}
+    assert got == {(d, w) for d in ("zipf", "strided", "sequential", "mixed_type_low_bits")
+                   for w in (2, 4, 8, 64)}
+    for r in rec["results"]:
+        for mode in (*modes, "random_owner_baseline"):
+            for key in ("lookups_max_over_mean", "unique_keys_max_over_mean"):
+                v = r[mode][key]
+                assert positive(v) and 1.0 <= v <= r["world_size"], (r["dist"], mode, key, v)
+        if r["dist"] == "strided":  # ids k*64: plain modulo puts everything on rank 0
+            assert r["roundrobin"]["unique_keys_max_over_mean"] == r["world_size"]
+            assert r["hash_roundrobin"]["unique_keys_max_over_mean"] < 1.5
+        if r["dist"] == "sequential":
+            assert r["continuous"]["unique_keys_max_over_mean"] == pytest.approx(1.0, abs=0.01)
+    for mode in modes:
+        assert positive(rec["route_speed_w8_zipf"][mode]["route_mkeys_per_s"])
+        assert set(rec["summary"][mode]) == {"worst_unique_keys_max_over_mean",
+                                             "worst_lookups_max_over_mean"}
+
+
+def test_sharded_step_smoke(tmp_path):
+    rec = run_smoke("sharded_step", tmp_path)
+    assert [r["optimizer"] for r in rec["results"]] == ["sgd", "adam"]
+    for r in rec["results"]:
+        for impl in ("single_process_global_batch", "single_process_one_rank_batch",
+                     "sharded_2_ranks"):
+            for key in ("step_ms", "step_ms_p90", "mids_per_s"):
+                assert positive(r[impl][key]), (r["optimizer"], impl, key)
+            assert r[impl]["step_ms_p90"] >= r[impl]["step_ms"]
+        sh = r["sharded_2_ranks"]
+        assert len(sh["per_rank_step_ms"]) == 2 and all(map(positive, sh["per_rank_step_ms"]))
+        assert all(map(positive, sh["bytes_sent_per_step_per_rank"]))
+        assert 1.0 <= sh["ids_received_max_over_mean"] < 2.0
+        assert set(sh["rank0_stage_ms"]) == {"input_dist", "lookup_pool_output_dist",
+                                             "backward_update"}
+        assert all(map(positive, sh["rank0_stage_ms"].values()))
+        assert all(n > 0 for n in sh["rows_stored"])
+        assert positive(r["ratios"]["speedup_sharded_vs_single_process"])
+        assert positive(r["ratios"]["ideal_speedup_without_communication"])

@@ -66,7 +66,6 @@ class NumbaBackend:
         return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
 
     def finish(self, ix, slots):
-        n = slots.numel()
         inverse, unique_slots, unique_pos = (torch.empty_like(slots) for _ in range(3))
         u = inb.finish(_np(slots), _np(ix.pins), _np(inverse), _np(unique_slots), _np(unique_pos))
         return inverse, unique_slots[:u], unique_pos[:u]
