@@ -32,3 +32,14 @@ def test_sharded_example_runs_under_torchrun():
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
     assert last < first, out
     assert re.search(r"table user: rows per rank \[\d+, \d+\]", out), out
+
+
+def test_readme_api_block_runs():
+    """The README's "Python API in 20 lines" block is executed as written."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The Python API in 20 lines"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
+    table = scope["table"]
+    assert table.size() == 4 and table.stats().optimizer_step == 1
