@@ -227,8 +227,8 @@ class ShardedCollection(torch.nn.Module):
                 scale = max_norm / (total_sq ** 0.5 + 1e-6)
                 if scale < 1.0:
                     grads[t].mul_(scale)
-        for o, g in zip(owners, grads):
-            o.table.apply_gradients(o.lookup, g)
+        for o, g in zip(owners, grads):  # already clipped by the global norm above
+            o.table.apply_gradients(o.lookup, g, clip=False)
 
     def resolve_owners(self, inp: InputDist, parse) -> list[OwnerTable]:
         """This rank's owner lookups for one step (``parse(t, config, counts, chunks)`` gives

@@ -50,11 +50,14 @@ class RowOptimizer:
         scale = max_norm / (float(total) + 1e-6)
         return grads * scale if scale < 1.0 else grads
 
-    def apply(self, backend, rows: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> None:
-        """One update of the rows at ``slots`` (U,) (-1 skipped) with ``grads`` (U, dim) float32."""
+    def apply(self, backend, rows: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, *,
+              clip: bool = True) -> None:
+        """One update of the rows at ``slots`` (U,) (-1 skipped) with ``grads`` (U, dim) float32,
+        clipped first unless ``clip`` is False."""
         self.step += 1
         c, t = self.config, self.step
-        grads = self.clip(grads, slots >= 0)
+        if clip:
+            grads = self.clip(grads, slots >= 0)
         kind = type(c)
         if kind is SGD:
             backend.optimizer("sgd")(rows, slots, grads, c.lr, c.weight_decay)

@@ -233,10 +233,14 @@ class DynamicTable:
         lk.unique_slots, lk.epoch = now, self._epoch
         return now
 
-    def apply_gradients(self, lk: Lookup, grads: torch.Tensor) -> None:
-        """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry."""
+    def apply_gradients(self, lk: Lookup, grads: torch.Tensor, *, clip: bool = True) -> None:
+        """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry.
+
+        ``clip=False`` skips ``max_grad_norm`` clipping (a sharded table is clipped by the norm
+        over all shards before this call)."""
         slots = self.current_slots(lk)
-        self.optimizer.apply(self.backend, self.rows, slots, grads.to(torch.float32).contiguous())
+        self.optimizer.apply(self.backend, self.rows, slots, grads.to(torch.float32).contiguous(),
+                             clip=clip)
         self._mark_written(slots[slots >= 0])
 
     # ------------------------------------------------------------------ internals
