@@ -146,6 +146,15 @@ class SparseBatch:
                            lengths=self.lengths.to(device),
                            weights=None if self.weights is None else self.weights.to(device))
 
+    def require_features(self, expected: tuple[str, ...], who: str) -> None:
+        """Raises InputError (naming ``who``) unless the batch has exactly the ``expected``
+        features, in any order."""
+        unknown = sorted(set(self.features) - set(expected))
+        missing = sorted(set(expected) - set(self.features))
+        if unknown or missing:
+            raise InputError(f"{who}: batch features do not match the tables: unknown {unknown}, "
+                             f"missing {missing}; expected {list(expected)}.")
+
     def feature(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths (B,), weights or None) of one feature."""
         if name not in self.features:

@@ -178,12 +178,7 @@ class ShardedCollection(torch.nn.Module):
         name = type(self).__name__
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{name}: expected a SparseBatch, found {type(batch).__name__}.")
-        unknown = sorted(set(batch.features) - set(self.feature_names))
-        missing = sorted(set(self.feature_names) - set(batch.features))
-        if unknown or missing:
-            raise InputError(f"{name} (rank {self.rank}): batch features do not match the "
-                             f"tables: unknown {unknown}, missing {missing}; expected "
-                             f"{list(self.feature_names)}.")
+        batch.require_features(self.feature_names, f"{name} (rank {self.rank})")
 
     def _check_headers(self, headers: comm.Headers, error: Exception | None) -> None:
         """Raises the same kind of error on every rank when any rank cannot go on."""

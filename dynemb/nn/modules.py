@@ -189,11 +189,7 @@ class _Collection(torch.nn.Module):
     def _check_batch(self, batch: SparseBatch) -> None:
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{type(self).__name__}: expected a SparseBatch, found {type(batch).__name__}.")
-        unknown = sorted(set(batch.features) - set(self.feature_names))
-        missing = sorted(set(self.feature_names) - set(batch.features))
-        if unknown or missing:
-            raise InputError(f"{type(self).__name__}: batch features do not match the tables: "
-                             f"unknown {unknown}, missing {missing}; expected {list(self.feature_names)}.")
+        batch.require_features(self.feature_names, type(self).__name__)
 
     def _table_ids(self, table: DynamicTable, batch: SparseBatch):
         """All ids of ``table``'s features, feature after feature: (keys (N,), lengths (F·B,)
