@@ -17,21 +17,21 @@ import torch
 import dynemb
 
 
-def make_world(seed: int, num_users: int = 2_000, num_items: int = 1_000, rank: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    # raw, sparse-looking ids: no vocabulary, no contiguous range
+def make_world(g: torch.Generator, num_users: int = 2_000, num_items: int = 1_000, rank: int = 8):
+    """Users and items with raw, sparse-looking ids (no vocabulary, no contiguous range) and a
+    hidden taste vector plus bias (the last column) each, drawn from ``g``."""
     user_ids = torch.randint(0, 2**62, (num_users,), generator=g)
     item_ids = torch.randint(0, 2**62, (num_items,), generator=g)
-    # hidden truth: a taste vector and a bias per user and per item (the last column)
-    return g, user_ids, item_ids, torch.randn(num_users, rank + 1, generator=g), \
+    return user_ids, item_ids, torch.randn(num_users, rank + 1, generator=g), \
         torch.randn(num_items, rank + 1, generator=g)
 
 
-def sample(world, batch_size: int):
-    g, user_ids, item_ids, u_vec, i_vec = world
+def sample(world, g: torch.Generator, batch_size: int):
+    """One batch drawn from ``g``: user, item, 3 recently clicked items, and the click label."""
+    user_ids, item_ids, u_vec, i_vec = world
     u = torch.randint(0, user_ids.numel(), (batch_size,), generator=g)
     i = torch.randint(0, item_ids.numel(), (batch_size,), generator=g)
-    hist = torch.randint(0, item_ids.numel(), (batch_size, 3), generator=g)  # recently clicked items
+    hist = torch.randint(0, item_ids.numel(), (batch_size, 3), generator=g)
     uv, iv = u_vec[u], i_vec[i]
     logit = (uv[:, :-1] * iv[:, :-1]).sum(1) / 2 + uv[:, -1] + iv[:, -1]
     label = (torch.rand(batch_size, generator=g) < torch.sigmoid(logit)).float()
@@ -72,14 +72,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    world = make_world(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    world = make_world(g)
     model = ClickModel()
     dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     start, window = time.perf_counter(), []
     first = last = None
     for step in range(1, args.steps + 1):
-        batch, label = sample(world, args.batch_size)
+        batch, label = sample(world, g, args.batch_size)
         loss = loss_fn(model(batch), label)
         dense_opt.zero_grad()
         loss.backward()  # embedding rows are updated here, by their fused Adam

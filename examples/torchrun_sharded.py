@@ -19,33 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dynemb
-
-
-def make_world(seed: int, num_users: int = 2_000, num_items: int = 1_000, rank: int = 8):
-    """Users and items with raw sparse ids and a hidden taste vector + bias each (same on every
-    rank: it is the world the samples come from)."""
-    g = torch.Generator().manual_seed(seed)
-    user_ids = torch.randint(0, 2**62, (num_users,), generator=g)
-    item_ids = torch.randint(0, 2**62, (num_items,), generator=g)
-    return user_ids, item_ids, torch.randn(num_users, rank + 1, generator=g), \
-        torch.randn(num_items, rank + 1, generator=g)
-
-
-def sample(world, g: torch.Generator, batch_size: int):
-    """One rank's batch: user, item, 3 recently clicked items, and the click label."""
-    user_ids, item_ids, u_vec, i_vec = world
-    u = torch.randint(0, user_ids.numel(), (batch_size,), generator=g)
-    i = torch.randint(0, item_ids.numel(), (batch_size,), generator=g)
-    hist = torch.randint(0, item_ids.numel(), (batch_size, 3), generator=g)
-    uv, iv = u_vec[u], i_vec[i]
-    logit = (uv[:, :-1] * iv[:, :-1]).sum(1) / 2 + uv[:, -1] + iv[:, -1]
-    label = (torch.rand(batch_size, generator=g) < torch.sigmoid(logit)).float()
-    batch = dynemb.SparseBatch(
-        features=["user_id", "item_id", "clicked_items"],
-        values=torch.cat([user_ids[u], item_ids[i], item_ids[hist].flatten()]),
-        lengths=torch.cat([torch.ones(2 * batch_size, dtype=torch.int64),
-                           torch.full((batch_size,), 3, dtype=torch.int64)]))
-    return batch, label
+from quickstart import make_world, sample  # the same toy click data (examples/ is on sys.path)
 
 
 def tables(dim: int) -> list[dynemb.TableConfig]:
@@ -80,7 +54,7 @@ def main() -> None:
         torch.nn.Linear(3 * args.dim + 1, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=0.01)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    world = make_world(args.seed)
+    world = make_world(torch.Generator().manual_seed(args.seed))  # the same world on every rank
     g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own samples
     start, window, first, last = time.perf_counter(), [], None, None
     for step in range(1, args.steps + 1):
