@@ -9,12 +9,12 @@ from dynemb import errors
 from dynemb.batch import EMPTY_KEY, SparseBatch
 from dynemb.config import (
     SGD, Adagrad, Adam, Admission, Initializer, InitKind, OnFull, OptimizerConfig, PoolingMode,
-    Routing, RowWiseAdagrad, ScorePolicy, TableConfig,
+    Routing, RowWiseAdagrad, ScorePolicy, Storage, StorageMode, TableConfig,
 )
 from dynemb.nn import EmbeddingBagCollection, EmbeddingCollection, JaggedEmbeddings, KeyedEmbeddings
 from dynemb.table import (
     DynamicTable, Evicted, ExportBatch, FindResult, InsertResult, MemoryUsage, TableStats,
-    table_memory,
+    TierMemory, table_memory,
 )
 from dynemb import distributed  # after nn: the sharded collections build on the modules
 
@@ -25,5 +25,6 @@ __all__ = [
     "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",
     "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "OnFull",
     "OptimizerConfig", "PoolingMode", "Routing", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
-    "TableConfig", "TableStats", "distributed", "errors", "table_memory",
+    "Storage", "StorageMode", "TableConfig", "TableStats", "TierMemory", "distributed", "errors",
+    "table_memory",
 ]

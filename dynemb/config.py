@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass, field
 
 from dynemb.errors import ConfigError
@@ -62,6 +63,19 @@ class OnFull(str, enum.Enum):
     RAISE = "raise"
     WARN = "warn"
     COUNT = "count"
+
+
+class StorageMode(str, enum.Enum):
+    """Where a table's rows live (see :class:`Storage`).
+
+    HBM_ONLY: every row in the fast tier. HYBRID: rows hash-partitioned between the tiers, a
+    fraction ``cache_load_factor`` of the slots in hbm. CACHING: a full backing store in ddr under
+    an hbm cache of ``cache_load_factor`` of the rows (write-back).
+    """
+
+    HBM_ONLY = "hbm_only"
+    HYBRID = "hybrid"
+    CACHING = "caching"
 
 
 class InitKind(str, enum.Enum):
@@ -228,6 +242,63 @@ class Admission:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Storage:
+    """A table's two storage tiers and how its rows use them.
+
+    ``hbm`` is the fast tier (GPU memory for a CUDA table, else RAM); ``ddr`` the large one
+    (pinned host memory for a CUDA table; RAM, or with ``ddr_path`` a memory-mapped file, for a
+    CPU table). The mode changes where rows live, never what training computes.
+    """
+
+    mode: StorageMode = StorageMode.HBM_ONLY
+    """HBM_ONLY, HYBRID or CACHING."""
+    cache_load_factor: float | None = None
+    """x in [0.1, 1.0]: the fraction of the rows held in hbm (HYBRID) or cached there (CACHING).
+    Required for HYBRID and CACHING; 1.0 (the only value HBM_ONLY accepts) drops the ddr tier."""
+    ddr_path: str | None = None
+    """A directory for the ddr tier's memory-mapped files (``<table>.ddr.*``), so a table can
+    outgrow RAM; None keeps the ddr tier in memory. Sharded tables use ``rank<r>/`` under it."""
+    reopen: bool = False
+    """CACHING with ``ddr_path``: open the backing store a previous table left there (after its
+    ``flush()``) instead of refusing to overwrite it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, StorageMode):
+            _fail("Storage", "mode", self.mode, f"one of {[m.name for m in StorageMode]}")
+        x = self.cache_load_factor
+        if x is None:
+            if self.mode != StorageMode.HBM_ONLY:
+                raise ConfigError(f"Storage.cache_load_factor: {self.mode.name} needs the fraction "
+                                  "of rows in hbm, a number in [0.1, 1.0], found None (e.g. 0.2).")
+            object.__setattr__(self, "cache_load_factor", 1.0)
+        elif (not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x)
+              or not 0.1 <= x <= 1.0):
+            _fail("Storage", "cache_load_factor", x, "a number in [0.1, 1.0]")
+        else:
+            object.__setattr__(self, "cache_load_factor", float(x))
+        if self.mode == StorageMode.HBM_ONLY and self.cache_load_factor != 1.0:
+            _fail("Storage", "cache_load_factor", x, "1.0 with HBM_ONLY (choose HYBRID or CACHING "
+                  "to keep part of the rows in ddr)")
+        if self.ddr_path is not None:
+            if not isinstance(self.ddr_path, (str, os.PathLike)) or not str(self.ddr_path):
+                _fail("Storage", "ddr_path", self.ddr_path, "a directory path or None")
+            object.__setattr__(self, "ddr_path", os.fspath(self.ddr_path))
+            if self.effective_mode == StorageMode.HBM_ONLY:
+                _fail("Storage", "ddr_path", self.ddr_path, "None when there is no ddr tier "
+                      f"(mode {self.mode.name}, cache_load_factor {self.cache_load_factor})")
+        if not isinstance(self.reopen, bool):
+            _fail("Storage", "reopen", self.reopen, "True or False")
+        if self.reopen and (self.effective_mode != StorageMode.CACHING or self.ddr_path is None):
+            _fail("Storage", "reopen", self.reopen, "False unless mode=CACHING with a ddr_path "
+                  "and cache_load_factor < 1 (only a CACHING backing store holds every row)")
+
+    @property
+    def effective_mode(self) -> StorageMode:
+        """The mode in force: cache_load_factor 1.0 means HBM_ONLY in any mode."""
+        return StorageMode.HBM_ONLY if self.cache_load_factor == 1.0 else self.mode
+
+
+@dataclass(frozen=True, kw_only=True)
 class TableConfig:
     """One dynamic embedding table: rows keyed by raw int64 ids, created on first sight."""
 
@@ -263,6 +334,8 @@ class TableConfig:
     bucket_capacity: int = 128
     """Slots per hash bucket (a power of two in [8, 1024]; a table smaller than one bucket gets
     one bucket of the next power of two, at least 8)."""
+    storage: Storage = field(default_factory=Storage)
+    """Storage tiers: HBM_ONLY (the default), HYBRID or CACHING (see :class:`Storage`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -284,7 +357,8 @@ class TableConfig:
             _fail(owner, "bucket_capacity", b, "a power of two in [8, 1024]")
         checks = (("optimizer", OptimizerConfig), ("score", ScorePolicy),
                   ("pooling", PoolingMode), ("initializer", Initializer),
-                  ("eval_initializer", Initializer), ("on_full", OnFull), ("routing", Routing))
+                  ("eval_initializer", Initializer), ("on_full", OnFull), ("routing", Routing),
+                  ("storage", Storage))
         for name, kind in checks:
             if not isinstance(getattr(self, name), kind):
                 _fail(owner, name, getattr(self, name), f"a {kind.__name__}")

@@ -91,7 +91,7 @@ class ShardedCollection(torch.nn.Module):
         self.world_size, self.rank = comm.group_size_rank(group)
         kind = type(self).__name__
         comm.check_same_configs(tables, self.world_size, self.rank, kind, group)
-        self.local = self.local_class([shard_config(c, self.world_size) for c in tables],
+        self.local = self.local_class([shard_config(c, self.world_size, self.rank) for c in tables],
                                       device=device, backend=backend)
         self.configs: tuple[TableConfig, ...] = tuple(tables)
         self.device = self.local.device

@@ -20,6 +20,7 @@ owns still spread over all of its buckets, whatever the routing mode and W.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -108,10 +109,18 @@ def shard_capacity(capacity: int, world_size: int) -> int:
     return -(-capacity // world_size)
 
 
-def shard_config(config: TableConfig, world_size: int) -> TableConfig:
-    """The config of one rank's shard: ``config`` with ``capacity = shard_capacity(...)``.
+def shard_config(config: TableConfig, world_size: int, rank: int | None = None) -> TableConfig:
+    """The config of one rank's shard: ``config`` with ``capacity = shard_capacity(...)`` and,
+    over several ranks, a ddr directory of its own (``<ddr_path>/rank<r>``).
 
     Everything else (name, seed, initializers, optimizer) is unchanged, so a key's initial row is
     the same whichever rank owns it.
     """
-    return dataclasses.replace(config, capacity=shard_capacity(config.capacity, world_size))
+    storage = config.storage
+    if storage.ddr_path is not None and world_size > 1:
+        if rank is None:
+            raise ConfigError(f"table {config.name!r}: shard_config needs the rank to give the "
+                              "shard its own ddr_path directory.")
+        storage = dataclasses.replace(storage, ddr_path=os.path.join(storage.ddr_path, f"rank{rank}"))
+    return dataclasses.replace(config, capacity=shard_capacity(config.capacity, world_size),
+                               storage=storage)

@@ -50,7 +50,7 @@ class NumbaBackend:
     def find(self, ix, keys, custom, policy, step, touch, pin):
         slots = torch.empty_like(keys)
         inb.find_pass(_np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
-                      _np(ix.pins), ix.num_buckets, ix.width - 1, policy, step, touch, pin,
+                      _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, touch, pin,
                       _np(slots))
         return slots
 
@@ -61,7 +61,7 @@ class NumbaBackend:
         ev_keys, ev_slots, ev_scores = (torch.empty_like(keys) for _ in range(3))
         n_ev = inb.insert_pass(
             _np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
-            _np(ix.pins), ix.num_buckets, ix.width - 1, policy, step, _np(slots),
+            _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, _np(slots),
             _np(inserted), _np(ev_keys), _np(ev_slots), _np(ev_scores), _np(ix.counts))
         return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
 
@@ -76,7 +76,7 @@ class NumbaBackend:
     def erase(self, ix, keys):
         slots = torch.empty_like(keys)
         inb.erase(_np(keys), _np(ix.keys), _np(ix.scores), _np(ix.digests), ix.num_buckets,
-                  ix.width - 1, _np(slots), _np(ix.counts))
+                  ix.split, ix.width - 1, _np(slots), _np(ix.counts))
         return slots
 
     def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):

@@ -9,6 +9,7 @@ Hashes used by a table (all independent of the routing hash ``fmix64(key)``):
 
 - ``index_hash(key) = fmix64(key ^ INDEX_SEED)``: bucket from bits 33..63, start slot in the
   bucket from the low bits, 1-byte digest from bits 8..15.
+- ``tier_hash(key) = fmix64(key ^ TIER_SEED)``: a HYBRID table's tier (``home_bucket``).
 - ``element_hash(key_mix, counter)``: random bits of one element of a new row (initializers).
 """
 
@@ -21,6 +22,7 @@ from numba import njit
 M1 = 0xFF51AFD7ED558CCD
 M2 = 0xC4CEB9FE1A85EC53
 INDEX_SEED = 0xD6E8FEB86659FD93  # the index's own seed: no other hash uses it
+TIER_SEED = 0x3C6EF372FE94F82B  # HYBRID tiers: independent of the index and routing hashes
 GOLDEN = 0x9E3779B97F4A7C15  # the Weyl step of the per-element counters
 U64 = (1 << 64) - 1
 
@@ -28,6 +30,7 @@ _U33 = np.uint64(33)
 _M1 = np.uint64(M1)
 _M2 = np.uint64(M2)
 _SEED = np.uint64(INDEX_SEED)
+_TIER = np.uint64(TIER_SEED)
 _GOLD = np.uint64(GOLDEN)
 
 
@@ -58,6 +61,19 @@ def index_hash_nb(key: np.int64) -> np.uint64:
 @njit(cache=True, inline="always")
 def bucket_of_nb(h: np.uint64, num_buckets: np.int64) -> np.int64:
     return np.int64(((h >> np.uint64(33)) * np.uint64(num_buckets)) >> np.uint64(31))
+
+
+@njit(cache=True, inline="always")
+def home_bucket_nb(key: np.int64, h: np.uint64, num_buckets: np.int64,
+                   split: np.int64) -> np.int64:
+    """The bucket of a key with index hash ``h``. Buckets ``[0, split)`` hold the hbm tier of a
+    HYBRID table: ``tier_hash(key)`` sends a key there with probability split / num_buckets;
+    ``split >= num_buckets`` means one tier."""
+    if split >= num_buckets:
+        return bucket_of_nb(h, num_buckets)
+    if bucket_of_nb(fmix64_nb(np.uint64(key) ^ _TIER), num_buckets) < split:
+        return bucket_of_nb(h, split)
+    return split + bucket_of_nb(h, num_buckets - split)
 
 
 @njit(cache=True, inline="always")
@@ -107,6 +123,14 @@ def index_hash(keys: torch.Tensor) -> torch.Tensor:
 
 def bucket_of(h: torch.Tensor, num_buckets: int) -> torch.Tensor:
     return (_srl(h, 33) * num_buckets) >> 31
+
+
+def home_bucket(keys: torch.Tensor, h: torch.Tensor, num_buckets: int, split: int) -> torch.Tensor:
+    """Torch twin of :func:`home_bucket_nb`."""
+    if split >= num_buckets:
+        return bucket_of(h, num_buckets)
+    hbm = bucket_of(fmix64(keys ^ to_signed(TIER_SEED)), num_buckets) < split
+    return torch.where(hbm, bucket_of(h, split), split + bucket_of(h, num_buckets - split))
 
 
 def digest_of(h: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,11 @@ lookup's unique index). A key lives in bucket ``bucket_of(h)``; inside it, linea
 at ``h & (width - 1)`` and wraps. Digests are compared before keys (a fast negative match).
 Erase leaves a tombstone, so a probe stops only at an empty slot, and insertion reuses the first
 tombstone it passed. A bucket without a free slot evicts its lowest-score slot that the running
-lookup has not pinned (never a key the same lookup found or inserted).
+lookup has not pinned (never a key the same lookup found or inserted; a CACHING backing store
+also pins, with PIN_CACHED, the rows its cache holds).
+
+``split``: buckets ``[0, split)`` are the hbm tier of a HYBRID table (``home_bucket_nb``); a
+single-tier index passes ``split = num_buckets``.
 
 Counts are added to ``counts`` (int64): see the ``C_*`` indices.
 """
@@ -18,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from dynemb.batch import EMPTY_KEY
-from dynemb.kernels.hashing import bucket_of_nb, digest_of_nb, index_hash_nb
+from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 
 D_EMPTY = 0
 D_ERASED = 1
@@ -30,11 +34,12 @@ NUM_COUNTS = 4
 
 PIN_FREE = -1
 PIN_HELD = -2
+PIN_CACHED = -3
 _MAX_SCORE = np.iinfo(np.int64).max
 
 
 @njit(cache=True, inline="always")
-def _probe(ikeys, dig, key, num_buckets, bmask):
+def _probe(ikeys, dig, key, num_buckets, split, bmask):
     """Returns (slot of key or -1, first free slot on the probe path or -1, bucket base, digest).
 
     Linear probing from the start slot, one slot at a time; a probe stops at an empty slot.
@@ -43,7 +48,7 @@ def _probe(ikeys, dig, key, num_buckets, bmask):
     """
     h = index_hash_nb(key)
     width = bmask + 1
-    base = bucket_of_nb(h, num_buckets) * width
+    base = home_bucket_nb(key, h, num_buckets, split) * width
     start = np.int64(h & np.uint64(bmask))
     d = digest_of_nb(h)
     free = -1
@@ -73,12 +78,12 @@ def _touch(iscores, s, policy, step, custom, i):
 
 
 @njit(cache=True)
-def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, policy, step,
+def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
               touch, pin, out_slots):
     """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
     per occurrence; with ``pin`` found slots are pinned for the rest of the lookup."""
     for i in range(keys.shape[0]):
-        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, split, bmask)
         out_slots[i] = s
         if s >= 0:
             if touch:
@@ -93,14 +98,14 @@ def _lowest_unpinned(iscores, pins, base, width, policy, step):
     (the first such slot on ties), or (-1, MAX) if all are pinned. Two passes: a branch-free
     minimum (vectorisable), then the first slot holding it. Under LRU every pinned slot has the
     current step as its score, so a minimum below the step is unpinned and the pins need not be
-    read."""
+    read (the first minimum is taken only if unpinned, else the full scan decides)."""
     best_score = _MAX_SCORE
     if policy == P_LRU:
         for j in range(width):
             best_score = min(best_score, iscores[base + j])
         if best_score < step:  # else fall back to reading pins (e.g. scores loaded from elsewhere)
             for j in range(width):
-                if iscores[base + j] == best_score:
+                if iscores[base + j] == best_score and pins[base + j] == PIN_FREE:
                     return base + j, best_score
         best_score = _MAX_SCORE
     for j in range(width):
@@ -114,7 +119,7 @@ def _lowest_unpinned(iscores, pins, base, width, policy, step):
 
 
 @njit(cache=True)
-def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, policy, step,
+def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
                 out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
     """Inserts keys that were missing (duplicates allowed: later ones find the first).
 
@@ -129,7 +134,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, bmask, pol
     n_new = 0
     for i in range(keys.shape[0]):
         k = keys[i]
-        s, free, base, d = _probe(ikeys, dig, k, num_buckets, bmask)
+        s, free, base, d = _probe(ikeys, dig, k, num_buckets, split, bmask)
         if s >= 0:
             out_slots[i] = s
             _touch(iscores, s, policy, step, custom, i)
@@ -212,11 +217,11 @@ def unpin(slots, pins):
 
 
 @njit(cache=True)
-def erase(keys, ikeys, iscores, dig, num_buckets, bmask, out_slots, counts):
+def erase(keys, ikeys, iscores, dig, num_buckets, split, bmask, out_slots, counts):
     """Erases keys present; ``out_slots[i]`` = the slot it had or -1. Returns how many."""
     n = 0
     for i in range(keys.shape[0]):
-        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, bmask)
+        s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, split, bmask)
         out_slots[i] = s
         if s >= 0:
             ikeys[s] = EMPTY_KEY

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels.hashing import bucket_of, digest_of, index_hash
+from dynemb.kernels.hashing import digest_of, home_bucket, index_hash
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_ERASED, EMPTY_KEY, P_CUSTOM, P_LFU, P_LRU,
     P_NO_EVICTION, PIN_FREE, PIN_HELD,
@@ -22,7 +22,7 @@ _I64_MAX = torch.iinfo(torch.int64).max
 
 def _locate(ix, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bucket of each key, slot of each key or -1)."""
-    b = bucket_of(index_hash(keys), ix.num_buckets)
+    b = home_bucket(keys, index_hash(keys), ix.num_buckets, ix.split)
     rows = ix.keys.view(ix.num_buckets, ix.width)[b]
     match = rows == keys[:, None]
     col = match.to(torch.int8).argmax(dim=1)
@@ -107,7 +107,7 @@ def insert_pass(ix, keys, custom, policy: int, step: int):
     else:
         new_score = torch.full_like(uk, step)
     h = index_hash(uk)
-    b = bucket_of(h, ix.num_buckets)
+    b = home_bucket(uk, h, ix.num_buckets, ix.split)
     order = torch.argsort(b, stable=True)
     tb, per_bucket = torch.unique_consecutive(b[order], return_counts=True)
     starts = torch.cumsum(per_bucket, 0) - per_bucket
@@ -150,9 +150,9 @@ def insert_pass(ix, keys, custom, policy: int, step: int):
     return slots, inserted, ev
 
 
-def finish(ix, slots: torch.Tensor):
-    """(inverse (N,), unique_slots (U,), unique_pos (U,)); releases pins. Occurrences without a
-    slot each get their own unique entry."""
+def dedup(slots: torch.Tensor):
+    """(inverse (N,), unique_slots (U,), unique_pos (U,)) of ``slots`` (N,): distinct slots >= 0
+    in ascending order, then every occurrence without a slot (-1) as its own entry."""
     dev = slots.device
     valid = slots >= 0
     us, inv = torch.unique(slots[valid], return_inverse=True)
@@ -162,9 +162,15 @@ def finish(ix, slots: torch.Tensor):
     inverse[valid] = inv
     inverse[~valid] = us.numel() + torch.arange(miss.numel(), device=dev)
     first = torch.full_like(us, slots.numel()).scatter_reduce(0, inv, pos[valid], "amin")
-    ix.pins[us] = PIN_FREE
     unique_slots = torch.cat([us, torch.full_like(miss, -1)])
     return inverse, unique_slots, torch.cat([first, miss])
+
+
+def finish(ix, slots: torch.Tensor):
+    """:func:`dedup` of one lookup's slots; releases its pins."""
+    inverse, unique_slots, unique_pos = dedup(slots)
+    ix.pins[unique_slots[unique_slots >= 0]] = PIN_FREE
+    return inverse, unique_slots, unique_pos
 
 
 def unpin(ix, slots: torch.Tensor) -> None:

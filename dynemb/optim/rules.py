@@ -50,22 +50,33 @@ class RowOptimizer:
         scale = max_norm / (float(total) + 1e-6)
         return grads * scale if scale < 1.0 else grads
 
-    def apply(self, backend, rows: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, *,
-              clip: bool = True) -> None:
-        """One update of the rows at ``slots`` (U,) (-1 skipped) with ``grads`` (U, dim) float32,
-        clipped first unless ``clip`` is False."""
+    def apply(self, parts, grads: torch.Tensor, *, clip: bool = True) -> None:
+        """One update (one optimizer step) of the rows of unique keys.
+
+        Args:
+            parts: ``(backend, rows, slots)`` per row store (a table's tiers): ``slots`` (U,)
+                int64 rows of ``rows`` to update, -1 where the entry is not in that store.
+            grads: (U, dim) float32 summed gradient per entry, shared by the parts.
+            clip: clip to ``max_grad_norm`` first (a sharded table is clipped over all shards
+                before this call and passes False).
+        """
         self.step += 1
         c, t = self.config, self.step
         if clip:
-            grads = self.clip(grads, slots >= 0)
+            valid = parts[0][2] >= 0
+            for _, _, slots in parts[1:]:
+                valid = valid | (slots.to(valid.device) >= 0)
+            grads = self.clip(grads, valid)
         kind = type(c)
         if kind is SGD:
-            backend.optimizer("sgd")(rows, slots, grads, c.lr, c.weight_decay)
+            name, args = "sgd", (c.lr, c.weight_decay)
         elif kind in (Adagrad, RowWiseAdagrad):
             clr = c.lr / (1.0 + (t - 1) * c.lr_decay)
             name = "adagrad" if kind is Adagrad else "rowwise_adagrad"
-            backend.optimizer(name)(rows, slots, grads, clr, c.eps, c.weight_decay)
+            args = (clr, c.eps, c.weight_decay)
         else:
             b1, b2 = c.betas
             step_size = c.lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-            backend.optimizer("adam")(rows, slots, grads, step_size, b1, b2, c.eps, c.weight_decay)
+            name, args = "adam", (step_size, b1, b2, c.eps, c.weight_decay)
+        for backend, rows, slots in parts:
+            backend.optimizer(name)(rows, slots, grads.to(rows.device), *args)

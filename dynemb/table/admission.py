@@ -6,8 +6,9 @@ import torch
 
 from dynemb.config import Admission
 from dynemb.kernels.index_numba import C_EVICTED, P_LFU
+from dynemb.errors import CapacityError, InputError
 from dynemb.table.index import HashIndex
-from dynemb.table.memory import COUNTER_BUCKET
+from dynemb.table.memory import COUNTER_BUCKET, index_geometry
 
 _NO_SCORES = torch.empty(0, dtype=torch.int64)
 
@@ -20,7 +21,8 @@ class AdmissionFilter:
 
     def __init__(self, config: Admission, device: torch.device, backend) -> None:
         self.threshold = config.threshold
-        self.index = HashIndex(config.counter_capacity, COUNTER_BUCKET, device, backend)
+        self.index = HashIndex(*index_geometry(config.counter_capacity, COUNTER_BUCKET), device,
+                               backend)
         self._no_scores = _NO_SCORES.to(device)
 
     def admit(self, keys: torch.Tensor) -> torch.Tensor:
@@ -44,6 +46,31 @@ class AdmissionFilter:
         if bool(admitted.any()):
             be.erase(ix, torch.unique(keys[admitted]))
         return admitted
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys (K,), counts (K,)) int64 of every key being counted."""
+        slots = self.index.occupied(0, self.index.num_slots)
+        return self.index.keys[slots].clone(), self.index.scores[slots].clone()
+
+    def load(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Sets the counts of distinct ``keys`` (K,) to ``counts`` (K,) (e.g. from a checkpoint);
+        raises CapacityError if the counter table cannot hold them all without evicting."""
+        ix, be = self.index, self.index.backend
+        if keys.shape != counts.shape or keys.dim() != 1:
+            raise InputError(f"admission counters: keys and counts must be matching 1-D "
+                             f"tensors, found {tuple(keys.shape)} and {tuple(counts.shape)}.")
+        keys = keys.to(ix.keys.device, torch.int64)
+        slots = be.find(ix, keys, self._no_scores, P_LFU, 0, False, True)
+        miss = slots < 0
+        if bool(miss.any()):
+            new_slots, _, ev = be.insert(ix, keys[miss], self._no_scores, P_LFU, 0)
+            slots[miss] = new_slots
+        be.unpin(ix, slots)
+        if bool(miss.any()) and (ev[0].numel() or bool((new_slots < 0).any())):
+            raise CapacityError(f"admission counters: {int(miss.sum())} keys do not fit the "
+                                f"counter table of {ix.num_slots} slots without evicting; raise "
+                                "Admission.counter_capacity.")
+        ix.scores[slots] = counts.to(ix.scores)
 
     @property
     def counter_evictions(self) -> int:

@@ -1,7 +1,9 @@
-"""The one memory formula of a table, importable without building one.
+"""The one memory formula of a table, per storage tier, importable without building one.
 
-The planner calls :func:`table_memory`; ``DynamicTable.memory_usage()`` reports the same
-breakdown from the live tensors, and a test checks the two agree.
+The planner calls :func:`table_memory` with any (config, rows, mode, cache_load_factor);
+``DynamicTable.memory_usage()`` reports the same breakdown from its live tensors, and a test
+checks the two agree. :func:`storage_layout` is the geometry both use: the table builds exactly
+the index and row stores it describes.
 """
 
 from __future__ import annotations
@@ -9,31 +11,100 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dynemb.config import TableConfig
+from dynemb.config import StorageMode, TableConfig
+from dynemb.errors import ConfigError
 from dynemb.optim.rules import state_width
 
 VALUE_BYTES = 4  # float32
-INDEX_BYTES_PER_SLOT = 8 + 8 + 1 + 4  # key, score, digest, pin (lookup scratch)
+INDEX_BYTES_PER_SLOT = 8 + 8 + 1 + 4 + 8  # key, score, digest, pin (lookup scratch), write step
+CACHE_BYTES_PER_SLOT = 8 + 1  # a cache slot's backing-store slot and its dirty flag
 COUNTER_BUCKET = 128
 MIN_BUCKET = 8  # the smallest bucket (TableConfig.bucket_capacity's lower bound)
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryUsage:
-    """Bytes of one table (or shard) by kind."""
+class TierMemory:
+    """Bytes of one storage tier by kind."""
 
-    values_bytes: int
-    """Embeddings: slots x dim x 4."""
-    optimizer_state_bytes: int
+    values_bytes: int = 0
+    """Embeddings: rows x dim x 4."""
+    optimizer_state_bytes: int = 0
     """Optimizer state stored next to the embeddings."""
-    index_bytes: int
-    """Hash index metadata: key, score, digest and pin per slot."""
-    admission_bytes: int
+    index_bytes: int = 0
+    """Hash index metadata: key, score, digest, pin and write step per slot (plus, for a cache,
+    its backing slot and dirty flag)."""
+    admission_bytes: int = 0
     """The admission counter table (0 without admission)."""
 
     @property
     def total_bytes(self) -> int:
         return self.values_bytes + self.optimizer_state_bytes + self.index_bytes + self.admission_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryUsage:
+    """Bytes of one table (or shard) per tier: ``hbm`` (GPU memory, or RAM on a CPU host) and
+    ``ddr`` (host memory or a memory-mapped file). The kind totals sum both tiers."""
+
+    hbm: TierMemory
+    ddr: TierMemory
+
+    def _sum(self, name: str) -> int:
+        return getattr(self.hbm, name) + getattr(self.ddr, name)
+
+    @property
+    def values_bytes(self) -> int:
+        return self._sum("values_bytes")
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return self._sum("optimizer_state_bytes")
+
+    @property
+    def index_bytes(self) -> int:
+        return self._sum("index_bytes")
+
+    @property
+    def admission_bytes(self) -> int:
+        return self._sum("admission_bytes")
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm.total_bytes
+
+    @property
+    def ddr_bytes(self) -> int:
+        return self.ddr.total_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.hbm_bytes + self.ddr_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a table's rows live.
+
+    ``num_buckets`` x ``width`` slots form the table's index (HBM_ONLY, HYBRID) or its backing
+    store's (CACHING). Global row ids ``[0, hbm_rows)`` are in hbm, ``[hbm_rows, hbm_rows +
+    ddr_rows)`` in ddr. HYBRID: index buckets ``[0, split)`` are the hbm rows (slot = row id).
+    CACHING: the cache index has ``cache_buckets`` x ``cache_width`` slots = the hbm rows, the
+    backing slot s is row ``hbm_rows + s``.
+    """
+
+    mode: StorageMode
+    num_buckets: int
+    width: int
+    split: int
+    hbm_rows: int
+    ddr_rows: int
+    cache_buckets: int = 0
+    cache_width: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Slots of the table as a whole (its capacity)."""
+        return self.num_buckets * self.width
 
 
 def index_geometry(capacity: int, bucket_capacity: int) -> tuple[int, int]:
@@ -43,17 +114,57 @@ def index_geometry(capacity: int, bucket_capacity: int) -> tuple[int, int]:
     return math.ceil(capacity / width), width
 
 
-def table_memory(config: TableConfig) -> MemoryUsage:
-    """Bytes the table of ``config`` takes once built (all tensors are allocated up front)."""
-    nb, width = index_geometry(config.capacity, config.bucket_capacity)
+def storage_layout(capacity: int, bucket_capacity: int, mode: StorageMode,
+                   cache_load_factor: float) -> Layout:
+    """The index geometry and rows per tier of a table of ``capacity`` rows.
+
+    ``cache_load_factor`` 1.0 is HBM_ONLY in any mode. HYBRID puts ``round(x * num_buckets)``
+    buckets (at least one per tier) in hbm; CACHING caches ``ceil(x * slots)`` rows.
+    """
+    nb, width = index_geometry(capacity, bucket_capacity)
     slots = nb * width
+    x = cache_load_factor
+    if x == 1.0 or mode == StorageMode.HBM_ONLY:
+        return Layout(StorageMode.HBM_ONLY, nb, width, nb, slots, 0)
+    if mode == StorageMode.HYBRID:
+        if nb < 2:
+            raise ConfigError(
+                f"Storage: HYBRID splits whole buckets between the tiers and needs at least 2, "
+                f"found {nb} (capacity {capacity}, bucket_capacity {bucket_capacity}); raise "
+                "capacity or lower bucket_capacity.")
+        split = min(nb - 1, max(1, round(x * nb)))
+        return Layout(StorageMode.HYBRID, nb, width, split, split * width, slots - split * width)
+    cnb, cwidth = index_geometry(math.ceil(x * slots), bucket_capacity)
+    return Layout(StorageMode.CACHING, nb, width, nb, cnb * cwidth, slots, cnb, cwidth)
+
+
+def _rows_bytes(rows: int, dim: int, state: int) -> dict[str, int]:
+    return {"values_bytes": rows * dim * VALUE_BYTES,
+            "optimizer_state_bytes": rows * state * VALUE_BYTES}
+
+
+def table_memory(config: TableConfig, *, rows: int | None = None, mode: StorageMode | None = None,
+                 cache_load_factor: float | None = None) -> MemoryUsage:
+    """Bytes per tier of a table of ``config`` once built (every tensor is allocated up front).
+
+    ``rows``, ``mode`` and ``cache_load_factor`` override the config's capacity and storage (the
+    planner tries other options with them).
+    """
+    storage = config.storage
+    mode = storage.mode if mode is None else mode
+    x = storage.cache_load_factor if cache_load_factor is None else cache_load_factor
+    lay = storage_layout(config.capacity if rows is None else rows, config.bucket_capacity, mode, x)
+    dim, state = config.dim, state_width(config.optimizer, config.dim)
     admission = 0
     if config.admission is not None:
         cnb, cw = index_geometry(config.admission.counter_capacity, COUNTER_BUCKET)
         admission = cnb * cw * INDEX_BYTES_PER_SLOT
+    if lay.mode == StorageMode.CACHING:
+        hbm_index = lay.hbm_rows * (INDEX_BYTES_PER_SLOT + CACHE_BYTES_PER_SLOT)
+        ddr_index = lay.slots * INDEX_BYTES_PER_SLOT
+    else:
+        hbm_index, ddr_index = lay.slots * INDEX_BYTES_PER_SLOT, 0
     return MemoryUsage(
-        values_bytes=slots * config.dim * VALUE_BYTES,
-        optimizer_state_bytes=slots * state_width(config.optimizer, config.dim) * VALUE_BYTES,
-        index_bytes=slots * INDEX_BYTES_PER_SLOT,
-        admission_bytes=admission,
-    )
+        hbm=TierMemory(**_rows_bytes(lay.hbm_rows, dim, state), index_bytes=hbm_index,
+                       admission_bytes=admission),
+        ddr=TierMemory(**_rows_bytes(lay.ddr_rows, dim, state), index_bytes=ddr_index))

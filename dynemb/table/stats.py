@@ -71,6 +71,15 @@ class TableStats:
     """Ids looked up by score-touching calls (occurrences)."""
     hits: int
     """Of ``lookups``, the occurrences whose key already had a row (``find`` is not counted)."""
+    hbm_hits: int
+    """Of ``lookups``, the occurrences served from hbm (HBM_ONLY: every hit)."""
+    hbm_misses: int
+    """Of ``lookups``, the occurrences that looked in hbm and did not find their key there."""
+    ddr_hits: int
+    """Occurrences found in ddr (HYBRID: keys of the ddr tier; CACHING: cache misses found in the
+    backing store)."""
+    ddr_misses: int
+    """Occurrences that looked in ddr and did not find their key (new keys)."""
     inserted: int
     """Rows created."""
     evicted: int
@@ -85,7 +94,29 @@ class TableStats:
     """Rows erased by ``erase``."""
     stale_updates: int
     """Gradient rows dropped because their key was evicted between lookup and backward."""
-
+    hbm_rows: int
+    """Rows held in hbm (CACHING: cached rows)."""
+    ddr_rows: int
+    """Rows held in ddr (CACHING: the backing store, which holds every row)."""
+    cache_evictions: int
+    """CACHING: rows evicted from the cache to make room (written back if dirty, never lost)."""
+    write_backs: int
+    """CACHING: dirty rows written back to the backing store (evictions and ``flush``)."""
+    backing_evictions: int
+    """CACHING: rows evicted from the backing store (evicted from the table as a whole; also in
+    ``evicted``, and returned to the caller)."""
+    prefetched: int
+    """CACHING: rows ``prefetch`` brought into the cache."""
     @property
     def load_factor(self) -> float:
         return self.size / self.capacity if self.capacity else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of lookups whose key had a row (in any tier)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def hbm_hit_rate(self) -> float:
+        """Share of lookups served from hbm (CACHING: the cache hit rate)."""
+        return self.hbm_hits / self.lookups if self.lookups else 0.0

@@ -10,20 +10,22 @@ from dataclasses import dataclass
 import torch
 
 from dynemb.batch import check_keys
-from dynemb.config import Initializer, OnFull, ScorePolicy, TableConfig
+from dynemb.config import Initializer, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
-from dynemb.kernels.hashing import GOLDEN, to_signed
+from dynemb.kernels.hashing import GOLDEN, home_bucket, index_hash, to_signed
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_INSERTED, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP,
 )
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
+from dynemb.table.caching import Cache
 from dynemb.table.index import HashIndex
-from dynemb.table.memory import MemoryUsage
+from dynemb.table.memory import MemoryUsage, TierMemory, storage_layout
 from dynemb.table.stats import (
     Evicted, ExportBatch, FindResult, InsertResult, TableStats,
 )
+from dynemb.table.storage import DdrFiles, RowStore
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +42,10 @@ def canonical_device(device: torch.device | str | None) -> torch.device:
 class Lookup:
     """One resolved lookup: N key occurrences mapped onto U unique entries.
 
-    ``unique_slots[u]`` is the row of entry u, or -1 (no row: eval mode, not admitted, failed);
-    every occurrence without a row is its own entry. ``epoch`` is the table's eviction epoch
-    after the lookup: if it changed by backward, slots are resolved again by key.
+    ``unique_slots[u]`` is the global row id of entry u (see ``dynemb.table.memory.Layout``), or
+    -1 (no row: eval mode, not admitted, failed); every occurrence without a row is its own
+    entry. ``epoch`` is the table's eviction epoch after the lookup: if it changed by backward,
+    rows are located again by key.
     """
 
     unique_keys: torch.Tensor
@@ -60,9 +63,14 @@ def _mix(init: Initializer, name: str) -> int:
 class DynamicTable:
     """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
 
+    Storage (``config.storage``): HBM_ONLY keeps every row on ``device``; HYBRID splits the rows
+    by a hash of the key between ``device`` (hbm) and host memory (ddr); CACHING keeps every row
+    in a ddr backing store under an hbm cache (write-back: see :meth:`flush`, :meth:`prefetch`).
+    The mode changes where rows live, never what training computes.
+
     Args:
         config: the table's configuration.
-        device: where rows and index live (default CPU).
+        device: where hbm rows and the index live (default CPU).
         backend: "numba" (compiled CPU kernels, the CPU default) or "torch" (vectorised reference,
             any device).
     """
@@ -74,22 +82,51 @@ class DynamicTable:
         self.dim = config.dim
         self.device = canonical_device(device)
         self.backend = backend_for(self.device, backend)
-        self.index = HashIndex(config.capacity, config.bucket_capacity, self.device, self.backend)
         self.optimizer = RowOptimizer(config.optimizer, config.dim)
-        self.rows = torch.zeros(self.index.num_slots, config.dim + self.optimizer.state_width,
-                                dtype=torch.float32, device=self.device)
+        self._policy = POLICY_CODES[config.score]
+        st = config.storage
+        self.layout = storage_layout(config.capacity, config.bucket_capacity, st.mode,
+                                     st.cache_load_factor)
+        self.mode = self.layout.mode
+        lay = self.layout
+        files = None if st.ddr_path is None else DdrFiles(st.ddr_path, config.name, reopen=st.reopen)
+        self.store = RowStore(lay.hbm_rows, lay.ddr_rows, config.dim,
+                              config.dim + self.optimizer.state_width, self.device, self.backend,
+                              files)
+        self.cache: Cache | None = None
+        if self.mode == StorageMode.CACHING:
+            backing_device = torch.device("cpu")
+            self.index = HashIndex(lay.num_buckets, lay.width, backing_device,
+                                   self.store.ddr_backend, alloc=files and files.alloc)
+            self.cache = Cache(self, files)
+        else:
+            self.index = HashIndex(lay.num_buckets, lay.width, self.device, self.backend,
+                                   split=lay.split)
         self.admission = (None if config.admission is None
                           else AdmissionFilter(config.admission, self.device, self.backend))
         self.step = 0
-        self._policy = POLICY_CODES[config.score]
         self._init_mix = _mix(config.initializer, config.name)
         self._eval_mix = _mix(config.eval_initializer, config.name)
         self._no_scores = torch.empty(0, dtype=torch.int64, device=self.device)
         self._epoch = 0
         self._counters: Counter[str] = Counter()
+        self._eviction_log: list[tuple[int, torch.Tensor]] | None = None
+        self._log_start = 0
         # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
         # (set it each step, e.g. to a timestamp); None gives new keys the table step.
         self.lookup_score: int | None = None
+        if self.cache is not None and st.reopen:
+            self.cache.reopened(files.header())
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The hbm rows (hbm_rows, dim + state width): pooling kernels read entries from here."""
+        return self.store.hbm
+
+    @property
+    def row_offset(self) -> int:
+        """Global row id of slot 0 of ``index`` (the backing store's rows follow the cache's)."""
+        return self.layout.hbm_rows if self.cache is not None else 0
 
     # ------------------------------------------------------------------ public verbs
 
@@ -105,9 +142,8 @@ class DynamicTable:
             if out.dtype != torch.float32 or not out.is_contiguous() or out.device != self.device:
                 raise InputError(f"table {self.name!r}: find(out=) must be a contiguous float32 "
                                  f"tensor on {self.device}, found {out.dtype} on {out.device}.")
-        slots = self.backend.find(self.index, keys, self._no_scores, self._policy, self.step,
-                                  False, False)
-        return FindResult(values=self._values(keys, slots, out), found=slots >= 0)
+        rids = self.locate(keys)
+        return FindResult(values=self._values(keys, rids, out), found=rids >= 0)
 
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
         """Rows of ``keys``, creating (initialising) missing ones; evicts when a bucket is full.
@@ -127,41 +163,99 @@ class DynamicTable:
         """Sets the embeddings (and optionally optimizer state) of distinct ``keys`` (N,),
         inserting missing ones. Existing rows keep their optimizer state unless given."""
         keys = self._keys(keys, "insert_or_assign")
-        if keys.numel() != torch.unique(keys).numel():
-            raise InputError(f"table {self.name!r}: insert_or_assign expects distinct keys.")
-        self._check_shape("values", values, (keys.numel(), self.dim))
-        if optimizer_state is not None:
-            self._check_shape("optimizer_state", optimizer_state,
-                              (keys.numel(), self.optimizer.state_width))
+        self._check_rows(keys, values, optimizer_state, "insert_or_assign")
         lk = self._resolve(keys, touch=True, insert=True, admit=False,
                            custom=self._scores(scores, keys, "insert_or_assign"))
-        slots = lk.unique_slots[lk.inverse]
-        ok = slots >= 0
-        self.rows[slots[ok], :self.dim] = values.detach()[ok].to(self.rows)
+        rids = lk.unique_slots[lk.inverse]
+        ok = rids >= 0
+        self.store.write(rids[ok], values.detach()[ok].to(self.device))
         if optimizer_state is not None:
-            self.rows[slots[ok], self.dim:] = optimizer_state.detach()[ok].to(self.rows)
-        self._mark_written(slots[ok])
+            self.store.write(rids[ok], optimizer_state.detach()[ok].to(self.device), self.dim)
+        self._mark_written(rids[ok])
         return lk.evicted
+
+    def load_rows(self, keys: torch.Tensor, embeddings: torch.Tensor,
+                  optimizer_state: torch.Tensor, scores: torch.Tensor) -> None:
+        """Inserts or overwrites the rows of distinct ``keys`` (N,) exactly: embeddings (N, dim),
+        optimizer_state (N, state width), scores (N,) int64 (e.g. from a checkpoint). Counts no
+        lookup and leaves ``step`` as it is; raises CapacityError if a key cannot get a row or
+        placing it would evict another row."""
+        keys = self._keys(keys, "load_rows")
+        self._check_rows(keys, embeddings, optimizer_state, "load_rows")
+        self._check_shape("scores", scores, (keys.numel(),))
+        if self.cache is not None:
+            self.cache.drop(keys)  # loaded rows go to the backing store, not through the cache
+        ix, be = self.index, self.index.backend
+        bkeys = keys.to(ix.keys.device)
+        slots = be.find(ix, bkeys, self._no_scores.to(bkeys.device), self._policy, self.step,
+                        False, True)
+        miss = slots < 0
+        n_ev, n_fail = 0, 0
+        if bool(miss.any()):
+            new, _, ev = be.insert(ix, bkeys[miss], self._no_scores.to(bkeys.device),
+                                   self._policy, self.step)
+            slots[miss] = new
+            n_ev, n_fail = ev[0].numel(), int((new < 0).sum())
+            if n_ev:
+                self._take_evicted(*ev, with_rows=False)
+        be.unpin(ix, slots)
+        if n_ev or n_fail:
+            raise CapacityError(
+                f"table {self.name!r}: load_rows placed {keys.numel() - n_fail} of {keys.numel()} "
+                f"rows and evicted {n_ev} others (capacity {self.capacity()}, size "
+                f"{self.size()}); load into a table with more capacity.")
+        rids = slots.to(self.device) + self.row_offset
+        self.store.write(rids, embeddings.detach().to(self.device, torch.float32))
+        self.store.write(rids, optimizer_state.detach().to(self.device, torch.float32), self.dim)
+        ix.scores[slots] = scores.to(ix.scores)
+        ix.written[slots] = self.step
 
     def erase(self, keys: torch.Tensor) -> int:
         """Removes ``keys`` that are present; returns how many were."""
         keys = torch.unique(self._keys(keys, "erase"))
-        n = int((self.backend.erase(self.index, keys) >= 0).sum())
+        if self.cache is not None:
+            self.cache.drop(keys, write_back=False)
+        gone = self.index.backend.erase(self.index, keys.to(self.index.keys.device))
+        n = int((gone >= 0).sum())
         if n:
             self._epoch += 1
             self._counters["erased"] += n
+            self._log_evictions(keys[(gone >= 0).to(keys.device)])
         return n
 
-    def export_batch(self, start: int, count: int) -> ExportBatch:
+    def export_batch(self, start: int, count: int, *, since_step: int | None = None) -> ExportBatch:
         """The rows in slots [start, start + count) (iterate start = 0, count, 2·count, ... up to
-        ``capacity()`` to export the whole table)."""
+        ``capacity()`` to export the whole table). ``since_step``: only rows written (inserted,
+        updated, assigned, loaded) at a table step after it. A CACHING table flushes first."""
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, count)):
             raise InputError(f"table {self.name!r}: export_batch needs ints start, count >= 0, "
                              f"found {start!r}, {count!r}.")
-        slots = self.index.occupied(min(start, self.capacity()), min(start + count, self.capacity()))
-        rows = self.rows[slots]
-        return ExportBatch(keys=self.index.keys[slots], embeddings=rows[:, :self.dim],
-                           optimizer_state=rows[:, self.dim:], scores=self.index.scores[slots])
+        if since_step is not None and not isinstance(since_step, int):
+            raise InputError(f"table {self.name!r}: since_step must be an int or None, "
+                             f"found {since_step!r}.")
+        if self.cache is not None:
+            self.flush()
+        ix = self.index
+        slots = ix.occupied(min(start, self.capacity()), min(start + count, self.capacity()))
+        if since_step is not None:
+            slots = slots[ix.written[slots] > since_step]
+        rows = self.store.read(slots.to(self.device) + self.row_offset)
+        return ExportBatch(keys=ix.keys[slots].to(self.device), embeddings=rows[:, :self.dim],
+                           optimizer_state=rows[:, self.dim:],
+                           scores=ix.scores[slots].to(self.device))
+
+    def flush(self) -> int:
+        """CACHING: writes every dirty cached row (and every cached row's score) back to the
+        backing store, and with ``ddr_path`` syncs its files to disk; returns the rows written.
+        Other modes hold no copies: 0."""
+        return 0 if self.cache is None else self.cache.flush()
+
+    def prefetch(self, keys: torch.Tensor) -> int:
+        """CACHING: brings the rows of ``keys`` that are in the backing store into the cache
+        ahead of their lookup (new keys are created by the lookup itself); returns how many
+        rows it fetched. Changes no row and no training result. Other modes: 0."""
+        keys = self._keys(keys, "prefetch")
+        return 0 if self.cache is None else self.cache.prefetch(keys)
 
     def size(self) -> int:
         return self.index.size()
@@ -170,22 +264,72 @@ class DynamicTable:
         return self.index.num_slots
 
     def memory_usage(self) -> MemoryUsage:
-        row_bytes = self.rows.element_size() * self.rows.shape[0]
+        """Bytes per tier of the live tensors (the same formula as ``dynemb.table_memory``)."""
+        hbm_rows, ddr_rows = self.store.tier_bytes()
+        width = self.dim + self.optimizer.state_width
+
+        def split(nbytes: int) -> dict[str, int]:
+            return {"values_bytes": nbytes * self.dim // width,
+                    "optimizer_state_bytes": nbytes * self.optimizer.state_width // width}
+
+        admission = 0 if self.admission is None else self.admission.index.nbytes()
+        if self.cache is None:
+            hbm_index, ddr_index = self.index.nbytes(), 0
+        else:
+            hbm_index, ddr_index = self.cache.nbytes(), self.index.nbytes()
         return MemoryUsage(
-            values_bytes=row_bytes * self.dim,
-            optimizer_state_bytes=row_bytes * self.optimizer.state_width,
-            index_bytes=self.index.nbytes(),
-            admission_bytes=0 if self.admission is None else self.admission.index.nbytes())
+            hbm=TierMemory(**split(hbm_rows), index_bytes=hbm_index, admission_bytes=admission),
+            ddr=TierMemory(**split(ddr_rows), index_bytes=ddr_index))
 
     def stats(self) -> TableStats:
         c = self._counters
+        if self.cache is not None:
+            hbm_rows, ddr_rows = self.cache.index.size(), self.size()
+        elif self.mode == StorageMode.HBM_ONLY:
+            hbm_rows, ddr_rows = self.size(), 0
+        else:
+            hbm_rows = int((self.index.digests[:self.layout.hbm_rows] >= 2).sum())
+            ddr_rows = self.size() - hbm_rows
         return TableStats(
             size=self.size(), capacity=self.capacity(), step=self.step,
-            optimizer_step=self.optimizer.step, lookups=c["lookups"], hits=c["hits"],
+            optimizer_step=self.optimizer.step, lookups=c["lookups"],
+            hits=c["hbm_hits"] + c["ddr_hits"], hbm_hits=c["hbm_hits"],
+            hbm_misses=c["hbm_misses"], ddr_hits=c["ddr_hits"], ddr_misses=c["ddr_misses"],
             inserted=self.index.count(C_INSERTED), evicted=self.index.count(C_EVICTED),
             failed_inserts=c["failed_inserts"], admission_rejected=c["admission_rejected"],
             counter_evictions=0 if self.admission is None else self.admission.counter_evictions,
-            erased=c["erased"], stale_updates=c["stale_updates"])
+            erased=c["erased"], stale_updates=c["stale_updates"], hbm_rows=hbm_rows,
+            ddr_rows=ddr_rows, cache_evictions=c["cache_evictions"],
+            write_backs=c["write_backs"],
+            backing_evictions=self.index.count(C_EVICTED) if self.cache is not None else 0,
+            prefetched=c["prefetched"])
+
+    # ------------------------------------------------------------------ eviction log
+
+    def track_evictions(self) -> None:
+        """Starts logging the keys evicted from the table or erased, with their table step (for
+        incremental exports: :meth:`evicted_since`). Idempotent."""
+        if self._eviction_log is None:
+            self._eviction_log, self._log_start = [], self.step
+
+    def evicted_since(self, step: int) -> torch.Tensor:
+        """Distinct keys (int64) evicted or erased at a table step after ``step``."""
+        if self._eviction_log is None or step < self._log_start:
+            since = "never started" if self._eviction_log is None else f"starts at step {self._log_start}"
+            raise InputError(f"table {self.name!r}: evictions since step {step} are unknown: the "
+                             f"eviction log {since} (call track_evictions() before that step).")
+        parts = [k for s, k in self._eviction_log if s > step]
+        return torch.unique(torch.cat(parts)) if parts else self._no_scores.clone()
+
+    def trim_eviction_log(self, step: int) -> None:
+        """Forgets log entries at or before ``step`` (after exporting them)."""
+        if self._eviction_log is not None:
+            self._eviction_log = [(s, k) for s, k in self._eviction_log if s > step]
+            self._log_start = max(self._log_start, step)
+
+    def _log_evictions(self, keys: torch.Tensor) -> None:
+        if self._eviction_log is not None and keys.numel():
+            self._eviction_log.append((self.step, keys.to(self.device).clone()))
 
     # ------------------------------------------------------------------ module path
 
@@ -203,32 +347,29 @@ class DynamicTable:
 
     def embeddings(self, lk: Lookup) -> torch.Tensor:
         """(U, dim) float32: the row of each unique entry, or its eval-initializer row."""
-        return self._values(lk.unique_keys, lk.unique_slots)
+        return self._values(lk.unique_keys, self.current_slots(lk))
 
     def sources(self, lk: Lookup) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each entry's embedding is, for the pooling kernels: ``src`` (U,) int64 is the
-        slot, or ``-1 - m`` for row m of ``extra`` (M, dim), the eval-initializer rows of entries
-        without a row. Slots are resolved again if rows were evicted since the lookup."""
-        slots = self.current_slots(lk)
-        missing = torch.nonzero(slots < 0).flatten()
-        extra = torch.empty(missing.numel(), self.dim, dtype=torch.float32, device=self.device)
-        src = slots
-        if missing.numel():
-            order = torch.arange(missing.numel(), device=self.device)
-            self.backend.init_rows(extra, order, lk.unique_keys[missing], self.dim, 0.0,
-                                   self.config.eval_initializer, self._eval_mix)
-            src = slots.clone()
-            src[missing] = -1 - order
+        hbm row (of ``rows``), or ``-1 - m`` for row m of ``extra`` (M, dim): the entries in ddr
+        and the eval-initializer rows of entries without a row. Rows are located again if rows
+        were evicted since the lookup."""
+        rids = self.current_slots(lk)
+        away = torch.nonzero((rids < 0) | (rids >= self.layout.hbm_rows)).flatten()
+        extra = torch.empty(away.numel(), self.dim, dtype=torch.float32, device=self.device)
+        src = rids
+        if away.numel():
+            self._values(lk.unique_keys[away], rids[away], extra)
+            src = rids.clone()
+            src[away] = -1 - torch.arange(away.numel(), device=self.device)
         return src, extra
 
     def current_slots(self, lk: Lookup) -> torch.Tensor:
-        """The lookup's slots, resolved again by key if rows were evicted or erased since (a key
-        that lost its row gets -1 and is counted in ``stats().stale_updates``)."""
+        """The lookup's row ids, located again by key if rows were evicted, moved or erased
+        since (a key that lost its row gets -1 and is counted in ``stats().stale_updates``)."""
         if lk.epoch == self._epoch:
             return lk.unique_slots
-        now = self.backend.find(self.index, lk.unique_keys, self._no_scores, self._policy,
-                                self.step, False, False)
-        now = torch.where(lk.unique_slots >= 0, now, -1)
+        now = torch.where(lk.unique_slots >= 0, self.locate(lk.unique_keys), -1)
         self._counters["stale_updates"] += int(((lk.unique_slots >= 0) & (now < 0)).sum())
         lk.unique_slots, lk.epoch = now, self._epoch
         return now
@@ -238,38 +379,42 @@ class DynamicTable:
 
         ``clip=False`` skips ``max_grad_norm`` clipping (a sharded table is clipped by the norm
         over all shards before this call)."""
-        slots = self.current_slots(lk)
-        self.optimizer.apply(self.backend, self.rows, slots, grads.to(torch.float32).contiguous(),
+        rids = self.current_slots(lk)
+        self.optimizer.apply(self.store.parts(rids), grads.to(torch.float32).contiguous(),
                              clip=clip)
-        self._mark_written(slots[slots >= 0])
+        self._mark_written(rids[rids >= 0])
+
+    def locate(self, keys: torch.Tensor) -> torch.Tensor:
+        """Global row id of each key (N,) or -1, touching nothing."""
+        if self.cache is not None:
+            return self.cache.locate(keys)
+        return self.index.find(keys)
 
     # ------------------------------------------------------------------ internals
 
     def _resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                  custom: torch.Tensor | None, keep_evicted: bool = True) -> Lookup:
-        be, ix = self.backend, self.index
         custom = self._no_scores if custom is None else custom
         if touch:
             self.step += 1
+            self._counters["lookups"] += keys.numel()
+        if self.cache is not None:
+            return self.cache.resolve(keys, touch=touch, insert=insert, admit=admit,
+                                      custom=custom, keep_evicted=keep_evicted)
+        be, ix = self.backend, self.index
         slots = be.find(ix, keys, custom, self._policy, self.step, touch, True)
         if touch:
-            self._counters["lookups"] += keys.numel()
-            self._counters["hits"] += int((slots >= 0).sum())
+            self._count_tiers(keys, slots)
         inserted, evicted, failed = None, self._evicted_none(), 0
         if insert:
             inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
-            miss = torch.nonzero(slots < 0).flatten()
-            if admit and self.admission is not None and miss.numel():
-                ok = self.admission.admit(keys[miss])
-                self._counters["admission_rejected"] += int((~ok).sum())
-                miss = miss[ok]
+            miss = self._admitted(keys, torch.nonzero(slots < 0).flatten(), admit)
             if miss.numel():
                 mkeys = keys[miss]
                 new_slots, fresh, ev = be.insert(ix, mkeys, custom[miss] if custom.numel() else custom,
                                                  self._policy, self.step)
                 evicted = self._take_evicted(*ev, with_rows=keep_evicted)
-                be.init_rows(self.rows, new_slots[fresh], mkeys[fresh], self.dim,
-                             self.optimizer.initial_state, self.config.initializer, self._init_mix)
+                self._init_rows(ix, new_slots[fresh], mkeys[fresh])
                 slots[miss] = new_slots
                 inserted[miss] = fresh
                 failed = int((new_slots < 0).sum())
@@ -279,26 +424,61 @@ class DynamicTable:
         return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
                       inserted=inserted, evicted=evicted, epoch=self._epoch)
 
-    def _values(self, keys: torch.Tensor, slots: torch.Tensor,
+    def _count_tiers(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Per-tier hits and misses of a single-index (HBM_ONLY or HYBRID) lookup."""
+        c, split = self._counters, self.layout.hbm_rows
+        hit = slots >= 0
+        n_hit = int(hit.sum())
+        if self.mode == StorageMode.HBM_ONLY:
+            c["hbm_hits"] += n_hit
+            c["hbm_misses"] += keys.numel() - n_hit
+            return
+        in_hbm = slots < split
+        c["hbm_hits"] += int((hit & in_hbm).sum())
+        c["ddr_hits"] += int((hit & ~in_hbm).sum())
+        if n_hit < keys.numel():
+            mk = keys[~hit]
+            ix = self.index
+            hbm_tier = home_bucket(mk, index_hash(mk), ix.num_buckets, ix.split) < ix.split
+            c["hbm_misses"] += int(hbm_tier.sum())
+            c["ddr_misses"] += int((~hbm_tier).sum())
+
+    def _admitted(self, keys: torch.Tensor, miss: torch.Tensor, admit: bool) -> torch.Tensor:
+        """The positions of ``miss`` (occurrences of keys without a row) that admission lets in
+        (all of them when ``admit`` is False or the table has no admission)."""
+        if admit and self.admission is not None and miss.numel():
+            ok = self.admission.admit(keys[miss].to(self.device)).to(miss.device)
+            self._counters["admission_rejected"] += int((~ok).sum())
+            miss = miss[ok]
+        return miss
+
+    def _init_rows(self, ix: HashIndex, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the table's index)."""
+        self.store.init(slots.to(self.device) + self.row_offset, keys, self.optimizer.initial_state,
+                        self.config.initializer, self._init_mix)
+        ix.written[slots] = self.step
+
+    def _values(self, keys: torch.Tensor, rids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
-        self.backend.gather(self.rows, slots, self.dim, out)
-        missing = torch.nonzero(slots < 0).flatten()
+        self.store.gather(rids, self.dim, out)
+        missing = torch.nonzero(rids < 0).flatten()
         if missing.numel():
             self.backend.init_rows(out, missing, keys[missing], self.dim, 0.0,
                                    self.config.eval_initializer, self._eval_mix)
         return out
 
     def _take_evicted(self, keys, slots, scores, *, with_rows: bool) -> Evicted:
+        """Records rows the table's index evicted (before their slots are reused)."""
         if keys.numel() == 0:
             return self._evicted_none()
         self._epoch += 1
+        self._log_evictions(keys)
+        keys, scores = keys.to(self.device), scores.to(self.device)
         if not with_rows:
             return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
-        rows = torch.empty(slots.numel(), self.rows.shape[1], dtype=self.rows.dtype,
-                           device=self.device)
-        self.backend.gather(self.rows, slots, self.rows.shape[1], rows)
+        rows = self.store.read(slots.to(self.device) + self.row_offset)
         return Evicted(keys=keys, embeddings=rows[:, :self.dim],
                        optimizer_state=rows[:, self.dim:], scores=scores)
 
@@ -308,9 +488,15 @@ class DynamicTable:
         return Evicted(keys=empty, embeddings=rows[:, :self.dim],
                        optimizer_state=rows[:, self.dim:], scores=empty)
 
-    def _mark_written(self, slots: torch.Tensor) -> None:
+    def _mark_written(self, rids: torch.Tensor) -> None:
+        """Rows ``rids`` (all >= 0) were written at this step: their write step, a STEP score,
+        and a cached row's dirty flag."""
+        if self.cache is not None:
+            self.cache.mark_written(rids)
+            return
+        self.index.written[rids] = self.step
         if self.config.score == ScorePolicy.STEP:
-            self.index.scores[slots] = self.step
+            self.index.scores[rids] = self.step
 
     def _on_full(self, failed: int) -> None:
         self._counters["failed_inserts"] += failed
@@ -333,6 +519,14 @@ class DynamicTable:
     def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
         check_keys(keys, f"table {self.name!r}: {verb}")
         return keys.to(self.device)
+
+    def _check_rows(self, keys, values, optimizer_state, verb) -> None:
+        if keys.numel() != torch.unique(keys).numel():
+            raise InputError(f"table {self.name!r}: {verb} expects distinct keys.")
+        self._check_shape("values", values, (keys.numel(), self.dim))
+        if optimizer_state is not None:
+            self._check_shape("optimizer_state", optimizer_state,
+                              (keys.numel(), self.optimizer.state_width))
 
     def _scores(self, scores, keys, verb) -> torch.Tensor | None:
         if scores is None:

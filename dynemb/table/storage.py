@@ -1,0 +1,163 @@
+"""A table's row store over its two tiers, and the memory-mapped files of a ddr tier.
+
+Rows are ``[embedding (dim) | optimizer state]`` float32, addressed by global row ids: ids
+``[0, hbm_rows)`` live in the hbm tensor (on the table's device), ids ``[hbm_rows, hbm_rows +
+ddr_rows)`` in the ddr tensor (host memory: pinned for a CUDA table, or a memory-mapped file).
+The kernels of each tier run where its tensor lives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dynemb.errors import ConfigError
+from dynemb.kernels.backend import NUMBA
+
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.uint8: np.uint8}
+
+
+class DdrFiles:
+    """The memory-mapped files of one table's ddr tier: ``<dir>/<table>.ddr.<array>`` plus a
+    ``.json`` header written by :meth:`flush`.
+
+    Args:
+        directory: ``Storage.ddr_path`` (created if missing).
+        table: the table name (characters other than letters, digits, ``._-`` become ``_``).
+        reopen: open the arrays a previous table flushed there; otherwise refuse to overwrite
+            existing files.
+    """
+
+    def __init__(self, directory: str, table: str, *, reopen: bool) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", table) + ".ddr"
+        self.reopen = reopen
+        self._maps: list[np.memmap] = []
+        existing = sorted(p.name for p in self.dir.glob(self.prefix + ".*"))
+        if existing and not reopen:
+            raise ConfigError(
+                f"table {table!r}: Storage.ddr_path {str(self.dir)!r} already holds {existing}; "
+                "remove them, choose another directory, or pass Storage(reopen=True) to continue "
+                "from a flushed backing store.")
+        if reopen and self.header() is None:
+            raise ConfigError(f"table {table!r}: Storage(reopen=True) found no flushed backing "
+                              f"store {self.prefix}.json in {str(self.dir)!r}.")
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{self.prefix}.{name}"
+
+    def alloc(self, name: str, n: int, dtype: torch.dtype, fill: int | float) -> torch.Tensor:
+        """A tensor of ``n`` elements backed by the file ``<prefix>.<name>`` (zero-copy)."""
+        path, np_dtype = self.path(name), _NP_DTYPES[dtype]
+        if self.reopen:
+            want = n * np.dtype(np_dtype).itemsize
+            if not path.exists() or path.stat().st_size != want:
+                found = path.stat().st_size if path.exists() else "no file"
+                raise ConfigError(f"reopening {str(path)!r}: expected {want} bytes for this "
+                                  f"table's configuration, found {found}.")
+            mm = np.memmap(path, dtype=np_dtype, mode="r+", shape=(n,))
+        else:
+            mm = np.memmap(path, dtype=np_dtype, mode="w+", shape=(n,))  # a sparse file of zeros
+            if fill:
+                mm[:] = fill
+        self._maps.append(mm)
+        return torch.from_numpy(mm)
+
+    def header(self) -> dict | None:
+        path = self.path("json")
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def flush(self, header: dict) -> None:
+        """Writes every mapped page to disk, then the header (atomically, via a rename)."""
+        for mm in self._maps:
+            mm.flush()
+        tmp = self.path("json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(header, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path("json"))
+
+
+class RowStore:
+    """Rows by global row id over the hbm and ddr tensors.
+
+    Args:
+        hbm_rows, ddr_rows: rows per tier (``ddr_rows`` 0: no ddr tier).
+        dim: embedding width; ``width``: dim + optimizer state width.
+        device: the table's device (hbm); ddr lives on the CPU.
+        backend: the table's kernel backend (hbm; also ddr on a CPU table).
+        files: memory-mapped files for the ddr rows, or None (RAM; pinned for a CUDA table).
+    """
+
+    def __init__(self, hbm_rows: int, ddr_rows: int, dim: int, width: int, device: torch.device,
+                 backend, files: DdrFiles | None) -> None:
+        self.dim, self.width, self.split = dim, width, hbm_rows
+        self.backend = backend
+        self.hbm = torch.zeros(hbm_rows, width, dtype=torch.float32, device=device)
+        self.ddr: torch.Tensor | None = None
+        self.ddr_backend = backend if device.type == "cpu" else NUMBA
+        if ddr_rows and files is not None:
+            self.ddr = files.alloc("rows", ddr_rows * width, torch.float32, 0).view(ddr_rows, width)
+        elif ddr_rows:
+            self.ddr = torch.zeros(ddr_rows, width, dtype=torch.float32,
+                                   pin_memory=device.type == "cuda")
+
+    def parts(self, ids: torch.Tensor) -> list[tuple]:
+        """``(backend, rows, slots)`` per tier for ids (U,) (-1 allowed): each tier's slots
+        hold its own row numbers, -1 for ids elsewhere."""
+        if self.ddr is None:
+            return [(self.backend, self.hbm, ids)]
+        in_ddr = ids >= self.split
+        hbm = torch.where(in_ddr, -1, ids)
+        ddr = torch.where(in_ddr, ids - self.split, -1).to(self.ddr.device)
+        return [(self.backend, self.hbm, hbm), (self.ddr_backend, self.ddr, ddr)]
+
+    def gather(self, ids: torch.Tensor, ncols: int, out: torch.Tensor) -> None:
+        """``out[u, :ncols] = row(ids[u])[:ncols]`` for ids >= 0 (others are left as they are)."""
+        for be, rows, slots in self.parts(ids):
+            if rows.device == out.device:
+                be.gather(rows, slots, ncols, out)
+                continue
+            ok = slots >= 0
+            buf = torch.empty(int(ok.sum()), ncols, dtype=rows.dtype)
+            be.gather(rows, slots[ok], ncols, buf)
+            out[ok.to(out.device)] = buf.to(out.device, non_blocking=True)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """(N, width) copies of the rows ``ids`` (all >= 0)."""
+        out = torch.empty(ids.numel(), self.width, dtype=torch.float32, device=self.hbm.device)
+        self.gather(ids, self.width, out)
+        return out
+
+    def write(self, ids: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
+        """``row(ids[n])[start:start + values.shape[1]] = values[n]`` (ids all >= 0)."""
+        stop = start + values.shape[1]
+        for _, rows, slots in self.parts(ids):
+            ok = slots >= 0
+            if self.ddr is None:
+                rows[slots, start:stop] = values.to(rows)
+            elif bool(ok.any()):
+                rows[slots[ok], start:stop] = values[ok.to(values.device)].to(rows)
+
+    def init(self, ids: torch.Tensor, keys: torch.Tensor, state_value: float, init,
+             table_mix: int) -> None:
+        """Initial rows for ``keys`` (N,) at ``ids`` (N,) (all >= 0)."""
+        for be, rows, slots in self.parts(ids):
+            ok = slots >= 0
+            if self.ddr is None:
+                be.init_rows(rows, slots, keys, self.dim, state_value, init, table_mix)
+            elif bool(ok.any()):
+                be.init_rows(rows, slots[ok], keys[ok.to(keys.device)].to(rows.device), self.dim,
+                             state_value, init, table_mix)
+
+    def tier_bytes(self) -> tuple[int, int]:
+        """(hbm, ddr) bytes of rows."""
+        ddr = 0 if self.ddr is None else self.ddr.numel() * self.ddr.element_size()
+        return self.hbm.numel() * self.hbm.element_size(), ddr
