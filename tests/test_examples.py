@@ -43,3 +43,14 @@ def test_readme_api_block_runs():
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
     table = scope["table"]
     assert table.size() == 4 and table.stats().optimizer_step == 1
+
+
+def test_readme_storage_block_runs():
+    """The README's storage-tier block runs as written, and its formula splits the tiers."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Storage tiers"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    scope: dict = {}
+    exec(compile("import dynemb\n" + code, "README.md", "exec"), scope)  # noqa: S102
+    mem = scope["dynemb"].table_memory(scope["table"])
+    assert 0 < mem.hbm_bytes < mem.ddr_bytes

@@ -14,12 +14,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _tables(optimizer):
+def _tables(optimizer, storage=None):
+    storage = storage or dynemb.Storage()
     return [dynemb.TableConfig(name="t", dim=8, features=["a", "b"], capacity=1 << 12,
-                               optimizer=optimizer, pooling=dynemb.PoolingMode.MEAN),
+                               optimizer=optimizer, pooling=dynemb.PoolingMode.MEAN,
+                               storage=storage),
             dynemb.TableConfig(name="u", dim=4, features=["c"], capacity=1 << 12,
                                optimizer=optimizer, score=dynemb.ScorePolicy.LFU,
-                               admission=dynemb.Admission(threshold=2, counter_capacity=256))]
+                               admission=dynemb.Admission(threshold=2, counter_capacity=256),
+                               storage=storage)]
 
 
 def _batch(step: int) -> dynemb.SparseBatch:
@@ -34,9 +37,18 @@ def _batch(step: int) -> dynemb.SparseBatch:
 @pytest.mark.parametrize("optimizer", [dynemb.SGD(lr=0.1), dynemb.RowWiseAdagrad(lr=0.1),
                                        dynemb.Adagrad(lr=0.1), dynemb.Adam(lr=0.01)],
                          ids=lambda o: type(o).__name__)
-def test_cuda_tables_match_cpu(optimizer):
+@pytest.mark.parametrize("storage", [
+    dynemb.Storage(),
+    dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3),
+    dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.1)],
+    ids=["hbm_only", "hybrid", "caching"])
+def test_cuda_tables_match_cpu(optimizer, storage):
+    """A CUDA table in any storage mode (hbm on the GPU, ddr in pinned host memory) trains like
+    the CPU HBM_ONLY table."""
     cpu = dynemb.EmbeddingBagCollection(_tables(optimizer))
-    gpu = dynemb.EmbeddingBagCollection(_tables(optimizer), device="cuda")
+    gpu = dynemb.EmbeddingBagCollection(_tables(optimizer, storage), device="cuda")
+    if storage.mode != dynemb.StorageMode.HBM_ONLY:
+        assert gpu.tables["t"].store.ddr.is_pinned() and gpu.tables["t"].rows.is_cuda
     assert gpu.tables["t"].backend.name == "torch"
     proj = torch.randn(16, 20, generator=torch.Generator().manual_seed(0))
     for step in range(5):
