@@ -92,6 +92,12 @@ def cases() -> list[Case]:
         Case(name="torch-backend", tables=_tables(OPTIMIZERS["rowwise_adagrad"], hr),
              weighted=True, backend="torch", seed=44),
         Case(name="ec-sequence", tables=_tables(OPTIMIZERS["adam"], hr), kind="ec", seed=45),
+        Case(name="caching-tiers", weighted=True, seed=48, tables=_tables(
+            OPTIMIZERS["adam"], hr, bucket_capacity=8, storage=dynemb.Storage(
+                mode=dynemb.StorageMode.CACHING, cache_load_factor=0.1))),
+        Case(name="ec-hybrid-tiers", kind="ec", seed=49, tables=_tables(
+            OPTIMIZERS["rowwise_adagrad"], hr, storage=dynemb.Storage(
+                mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3))),
         Case(name="ec-sequence-lfu-continuous",
              tables=_tables(OPTIMIZERS["sgd"], dynemb.Routing.CONTINUOUS,
                             score=dynemb.ScorePolicy.LFU),
