@@ -87,6 +87,9 @@ class NumbaBackend:
     def gather(self, rows, slots, dim, out):
         rnb.gather(_np(rows), _np(slots), dim, _np(out))
 
+    def copy_rows(self, src, src_rows, dst, dst_rows):
+        rnb.copy_rows(_np(src), _np(src_rows), _np(dst), _np(dst_rows))
+
     def pool(self, rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
         pnb.pool(_np(rows), _np(extra), _np(src), _np(inverse), _np(lengths), _np(weights),
                  batch, dim, mean, _np(out))
@@ -131,6 +134,9 @@ class TorchBackend:
 
     def gather(self, rows, slots, dim, out):
         rto.gather(rows, slots, dim, out)
+
+    def copy_rows(self, src, src_rows, dst, dst_rows):
+        rto.copy_rows(src, src_rows, dst, dst_rows)
 
     def pool(self, *args):
         pto.pool(*args)

@@ -71,6 +71,16 @@ def gather(rows, slots, dim, out):
                 out[u, j] = rows[s, j]
 
 
+@njit(cache=True)
+def copy_rows(src, src_rows, dst, dst_rows):
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` (whole rows; all indices valid)."""
+    for i in range(src_rows.shape[0]):
+        a = src[src_rows[i]]
+        b = dst[dst_rows[i]]
+        for j in range(a.shape[0]):
+            b[j] = a[j]
+
+
 # Kernels take per-row views (w, state, g) so LLVM can vectorise the inner loop over j;
 # error_model="numpy" removes Python's division-by-zero checks, which would block that.
 _row_kernel = njit(cache=True, error_model="numpy")

@@ -56,6 +56,10 @@ def gather(rows, slots, dim, out) -> None:
     out[ok] = rows[slots[ok], :dim]
 
 
+def copy_rows(src, src_rows, dst, dst_rows) -> None:
+    dst[dst_rows] = src[src_rows]
+
+
 def _valid(rows, slots, grads):
     ok = slots >= 0
     s = slots[ok]

@@ -139,7 +139,7 @@ class Cache:
         self._evict(*cev)
         first = torch.nonzero(cfresh).flatten()
         dst, src = cslots[first], bs[got][first.to(bs.device)]
-        t.store.hbm[dst] = t.store.read(src.to(t.device) + t.row_offset)
+        t.store.fetch(src, dst)
         self.home[dst] = src.to(t.device)
         self.dirty[dst] = False
         cx.written[dst] = bx.written[src].to(t.device)
@@ -182,9 +182,9 @@ class Cache:
         t, bx = self.table, self.backing
         d = slots[self.dirty[slots]]
         if d.numel():
-            home = self.home[d]
-            t.store.write(home + t.row_offset, t.store.hbm[d])
-            bx.written[home.to(bx.written.device)] = self.index.written[d].to(bx.written.device)
+            home = self.home[d].to(bx.keys.device)
+            t.store.store_back(d, home)
+            bx.written[home] = self.index.written[d].to(bx.written.device)
             self.dirty[d] = False
             t._counters["write_backs"] += d.numel()
         return d.numel()

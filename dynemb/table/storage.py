@@ -146,6 +146,24 @@ class RowStore:
             elif bool(ok.any()):
                 rows[slots[ok], start:stop] = values[ok.to(values.device)].to(rows)
 
+    def fetch(self, ddr_rows: torch.Tensor, hbm_rows: torch.Tensor) -> None:
+        """Copies ddr rows ``ddr_rows`` (K,) (ddr row numbers) to hbm rows ``hbm_rows`` (K,)."""
+        if self.hbm.device == self.ddr.device:
+            self.ddr_backend.copy_rows(self.ddr, ddr_rows, self.hbm, hbm_rows)
+            return
+        buf = torch.empty(ddr_rows.numel(), self.width, pin_memory=True)
+        self.ddr_backend.copy_rows(self.ddr, ddr_rows, buf,
+                                   torch.arange(ddr_rows.numel()))
+        self.hbm[hbm_rows] = buf.to(self.hbm.device, non_blocking=True)
+
+    def store_back(self, hbm_rows: torch.Tensor, ddr_rows: torch.Tensor) -> None:
+        """Copies hbm rows ``hbm_rows`` (K,) to ddr rows ``ddr_rows`` (K,) (ddr row numbers)."""
+        if self.hbm.device == self.ddr.device:
+            self.ddr_backend.copy_rows(self.hbm, hbm_rows, self.ddr, ddr_rows)
+            return
+        buf = self.hbm[hbm_rows].cpu()
+        self.ddr_backend.copy_rows(buf, torch.arange(buf.shape[0]), self.ddr, ddr_rows.cpu())
+
     def init(self, ids: torch.Tensor, keys: torch.Tensor, state_value: float, init,
              table_mix: int) -> None:
         """Initial rows for ``keys`` (N,) at ``ids`` (N,) (all >= 0)."""
