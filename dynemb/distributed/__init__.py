@@ -64,6 +64,8 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     raise_together(problem, world_size, group)
     tables = list(module.tables.values())
     backend = tables[0].backend.name
+    for t in tables:  # the shards map their own files (<ddr_path>/rank<r> over several ranks)
+        t.close(delete_files=True)
     sharded = cls([t.config for t in tables], group=group, device=module.device, backend=backend,
                   log_every=log_every)
     sharded.train(module.training)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.config import Admission
-from dynemb.kernels.index_numba import C_EVICTED, P_LFU
+from dynemb.kernels.index_numba import C_EVICTED, P_LFU, P_NO_EVICTION
 from dynemb.errors import CapacityError, InputError
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import COUNTER_BUCKET, index_geometry
@@ -52,6 +52,12 @@ class AdmissionFilter:
         slots = self.index.occupied(0, self.index.num_slots)
         return self.index.keys[slots].clone(), self.index.scores[slots].clone()
 
+    def clear(self) -> None:
+        """Forgets every counter."""
+        keys, _ = self.export()
+        if keys.numel():
+            self.index.backend.erase(self.index, keys)
+
     def load(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
         """Sets the counts of distinct ``keys`` (K,) to ``counts`` (K,) (e.g. from a checkpoint);
         raises CapacityError if the counter table cannot hold them all without evicting."""
@@ -60,16 +66,17 @@ class AdmissionFilter:
             raise InputError(f"admission counters: keys and counts must be matching 1-D "
                              f"tensors, found {tuple(keys.shape)} and {tuple(counts.shape)}.")
         keys = keys.to(ix.keys.device, torch.int64)
-        slots = be.find(ix, keys, self._no_scores, P_LFU, 0, False, True)
+        slots = be.find(ix, keys, self._no_scores, P_NO_EVICTION, 0, False, True)
         miss = slots < 0
-        if bool(miss.any()):
-            new_slots, _, ev = be.insert(ix, keys[miss], self._no_scores, P_LFU, 0)
+        if bool(miss.any()):  # never evicts: a key without a free slot fails
+            new_slots, fresh, _ = be.insert(ix, keys[miss], self._no_scores, P_NO_EVICTION, 0)
             slots[miss] = new_slots
         be.unpin(ix, slots)
-        if bool(miss.any()) and (ev[0].numel() or bool((new_slots < 0).any())):
-            raise CapacityError(f"admission counters: {int(miss.sum())} keys do not fit the "
-                                f"counter table of {ix.num_slots} slots without evicting; raise "
-                                "Admission.counter_capacity.")
+        if bool(miss.any()) and bool((new_slots < 0).any()):
+            be.erase(ix, keys[miss][fresh])  # roll back
+            raise CapacityError(f"admission counters: {int((new_slots < 0).sum())} keys do not "
+                                f"fit the counter table of {ix.num_slots} slots without evicting; "
+                                "nothing was loaded. Raise Admission.counter_capacity.")
         ix.scores[slots] = counts.to(ix.scores)
 
     @property

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dynemb.config import ScorePolicy
+from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
 from dynemb.kernels.index_torch import dedup
 from dynemb.table.index import HashIndex
@@ -83,9 +84,8 @@ class Cache:
             if insert:
                 new = t._admitted(mkeys, torch.nonzero(~existed).flatten(), admit)
                 if new.numel():
-                    slots, fresh, ev = bx.backend.insert(
-                        bx, mkeys[new], mcustom[new] if mcustom.numel() else mcustom,
-                        t._policy, step)
+                    slots, fresh, ev = self._backing_insert(
+                        mkeys[new], mcustom[new] if mcustom.numel() else mcustom)
                     evicted = t._take_evicted(*ev, with_rows=keep_evicted)
                     t._init_rows(bx, slots[fresh], mkeys[new][fresh].to(t.device))
                     bs[new] = slots
@@ -99,6 +99,33 @@ class Cache:
                         bx.backend.find(bx, mkeys[by], mcustom[by] if mcustom.numel() else mcustom,
                                         t._policy, step, True, False)
         return self._finish(keys, cs, miss, bs, inserted, evicted, failed, Lookup)
+
+    def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor):
+        """Inserts new keys into the backing store. Cached rows are pinned there, so a bucket
+        whose rows are all cached refuses new keys: then the cached rows homed in the refusing
+        buckets that this call does not use leave the cache (written back), and the refused
+        keys are inserted again, evicting by score like any full bucket."""
+        t, bx = self.table, self.backing
+        slots, fresh, ev = bx.backend.insert(bx, keys, custom, t._policy, t.step)
+        fail = torch.nonzero(slots < 0).flatten()
+        if fail.numel() and t._policy != P_NO_EVICTION and self._release(keys[fail]):
+            again, fresh2, ev2 = bx.backend.insert(
+                bx, keys[fail], custom[fail] if custom.numel() else custom, t._policy, t.step)
+            slots[fail], fresh[fail] = again, fresh2
+            ev = tuple(torch.cat([a, b]) for a, b in zip(ev, ev2))
+        return slots, fresh, ev
+
+    def _release(self, keys: torch.Tensor) -> bool:
+        """Drops from the cache the rows, not pinned by the running lookup, whose backing slots
+        are in the buckets of ``keys``; returns whether there were any."""
+        cx, bx = self.index, self.backing
+        buckets = home_bucket(keys, index_hash(keys), bx.num_buckets, bx.split)
+        occ = cx.occupied(0, cx.num_slots)
+        occ = occ[cx.pins[occ] == PIN_FREE]
+        home_bucket_of = (self.home[occ] // bx.width).to(buckets.device)
+        victims = occ[torch.isin(home_bucket_of, buckets).to(occ.device)]
+        self._drop_slots(victims, write_back=True)
+        return victims.numel() > 0
 
     def _finish(self, keys, cs, miss, bs, inserted, evicted, failed, lookup_class) -> Lookup:
         """Releases the pins of both indexes and numbers the entries by row id."""
@@ -153,9 +180,8 @@ class Cache:
         """The score of a row fetched into cache slots ``dst``: its backing score ``base`` as this
         lookup touches it (the kernel scored it as a new key; keys new to the table keep that)."""
         cx, policy = self.index, self.table.config.score
-        if not lookup:  # prefetch: the row was not used; LRU/NO_EVICTION keep the current step
-            if policy not in (ScorePolicy.LRU, ScorePolicy.NO_EVICTION):
-                cx.scores[dst] = base
+        if not lookup:  # prefetch: the row was not used, its score stays what it was
+            cx.scores[dst] = base
             return
         ex = torch.nonzero(existed).flatten()
         if policy == ScorePolicy.LFU:
@@ -242,20 +268,23 @@ class Cache:
     def drop(self, keys: torch.Tensor, *, write_back: bool = True) -> None:
         """Removes ``keys`` from the cache (writing dirty rows back unless ``write_back`` is
         False, e.g. before erasing them)."""
+        slots = self.index.find(keys)
+        self._drop_slots(slots[slots >= 0], write_back=write_back)
+
+    def _drop_slots(self, slots: torch.Tensor, *, write_back: bool) -> None:
         cx, bx = self.index, self.backing
-        slots = cx.find(keys)
-        slots = slots[slots >= 0]
         if slots.numel() == 0:
             return
+        home = self.home[slots].to(bx.keys.device)
         if write_back:
             self._write_back(slots)
-            home = self.home[slots].to(bx.keys.device)
             bx.scores[home] = cx.scores[slots].to(bx.scores.device)
-        bx.pins[self.home[slots].to(bx.keys.device)] = PIN_FREE
+        bx.pins[home] = PIN_FREE
         self.dirty[slots] = False
         self.home[slots] = -1
-        cx.backend.erase(cx, keys)
+        cx.backend.erase(cx, cx.keys[slots].clone())
         self.table._epoch += 1
+        self.unflushed = True
 
     def flush(self) -> int:
         """Writes every dirty cached row and every cached score back; syncs ddr files."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynemb.errors import InputError
+
 
 @dataclass(frozen=True)
 class FindResult:
@@ -64,7 +66,8 @@ class TableStats:
     capacity: int
     """Slots."""
     step: int
-    """Score-touching calls so far (training lookups, find_or_insert, insert_or_assign)."""
+    """Score-touching calls and erases so far (training lookups, find_or_insert,
+    insert_or_assign, erase): the clock of LRU/STEP scores and of write steps."""
     optimizer_step: int
     """Optimizer updates applied."""
     lookups: int
@@ -120,3 +123,36 @@ class TableStats:
     def hbm_hit_rate(self) -> float:
         """Share of lookups served from hbm (CACHING: the cache hit rate)."""
         return self.hbm_hits / self.lookups if self.lookups else 0.0
+
+
+class EvictionLog:
+    """Keys evicted from a table or erased, with the table step of each, once started (for
+    incremental exports). Off until :meth:`start`: it grows with the churn between trims."""
+
+    def __init__(self, empty: torch.Tensor) -> None:
+        self._entries: list[tuple[int, torch.Tensor]] | None = None
+        self._start = 0
+        self._empty = empty
+
+    def start(self, step: int, *, restart: bool = False) -> None:
+        if self._entries is None or restart:
+            self._entries, self._start = [], step
+
+    def add(self, step: int, keys: torch.Tensor) -> None:
+        if self._entries is not None and keys.numel():
+            self._entries.append((step, keys.to(self._empty.device).clone()))
+
+    def since(self, step: int, owner: str) -> torch.Tensor:
+        """Distinct keys logged at a step after ``step``."""
+        if self._entries is None or step < self._start:
+            state = "never started" if self._entries is None else f"starts at step {self._start}"
+            raise InputError(f"{owner}: evictions since step {step} are unknown: the eviction "
+                             f"log {state} (call track_evictions() before that step).")
+        parts = [k for s, k in self._entries if s > step]
+        return torch.unique(torch.cat(parts)) if parts else self._empty.clone()
+
+    def trim(self, step: int) -> None:
+        """Forgets entries at or before ``step``."""
+        if self._entries is not None:
+            self._entries = [(s, k) for s, k in self._entries if s > step]
+            self._start = max(self._start, step)

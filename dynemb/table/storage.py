@@ -44,7 +44,9 @@ class DdrFiles:
             raise ConfigError(
                 f"table {table!r}: Storage.ddr_path {str(self.dir)!r} already holds {existing}; "
                 "remove them, choose another directory, or pass Storage(reopen=True) to continue "
-                "from a flushed backing store.")
+                "from a flushed backing store. (Under torchrun, build dynemb.distributed."
+                "ShardedEmbeddingBagCollection(configs) directly: each rank then uses "
+                "<ddr_path>/rank<r>.)")
         if reopen and self.header() is None:
             raise ConfigError(f"table {table!r}: Storage(reopen=True) found no flushed backing "
                               f"store {self.prefix}.json in {str(self.dir)!r}.")
@@ -68,6 +70,12 @@ class DdrFiles:
                 mm[:] = fill
         self._maps.append(mm)
         return torch.from_numpy(mm)
+
+    def delete(self) -> None:
+        """Removes the files (mapped tensors stay valid until dropped)."""
+        self._maps.clear()
+        for path in self.dir.glob(self.prefix + ".*"):
+            path.unlink(missing_ok=True)
 
     def header(self) -> dict | None:
         path = self.path("json")

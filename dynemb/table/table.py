@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import zlib
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from dynemb.batch import check_keys
-from dynemb.config import Initializer, OnFull, ScorePolicy, StorageMode, TableConfig
+from dynemb.config import Initializer, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
 from dynemb.kernels.hashing import GOLDEN, home_bucket, index_hash, to_signed
@@ -20,14 +18,13 @@ from dynemb.kernels.index_numba import (
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.caching import Cache
+from dynemb.table.checks import TableChecks
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import MemoryUsage, TierMemory, storage_layout
 from dynemb.table.stats import (
-    Evicted, ExportBatch, FindResult, InsertResult, TableStats,
+    EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, TableStats,
 )
 from dynemb.table.storage import DdrFiles, RowStore
-
-logger = logging.getLogger(__name__)
 
 POLICY_CODES = {ScorePolicy.LRU: P_LRU, ScorePolicy.LFU: P_LFU, ScorePolicy.STEP: P_STEP,
                 ScorePolicy.CUSTOM: P_CUSTOM, ScorePolicy.NO_EVICTION: P_NO_EVICTION}
@@ -60,7 +57,7 @@ def _mix(init: Initializer, name: str) -> int:
     return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
 
 
-class DynamicTable:
+class DynamicTable(TableChecks):
     """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
 
     Storage (``config.storage``): HBM_ONLY keeps every row on ``device``; HYBRID splits the rows
@@ -90,6 +87,7 @@ class DynamicTable:
         self.mode = self.layout.mode
         lay = self.layout
         files = None if st.ddr_path is None else DdrFiles(st.ddr_path, config.name, reopen=st.reopen)
+        self.files = files
         self.store = RowStore(lay.hbm_rows, lay.ddr_rows, config.dim,
                               config.dim + self.optimizer.state_width, self.device, self.backend,
                               files)
@@ -110,8 +108,7 @@ class DynamicTable:
         self._no_scores = torch.empty(0, dtype=torch.int64, device=self.device)
         self._epoch = 0
         self._counters: Counter[str] = Counter()
-        self._eviction_log: list[tuple[int, torch.Tensor]] | None = None
-        self._log_start = 0
+        self.log = EvictionLog(self._no_scores)
         # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
         # (set it each step, e.g. to a timestamp); None gives new keys the table step.
         self.lookup_score: int | None = None
@@ -185,25 +182,23 @@ class DynamicTable:
         self._check_shape("scores", scores, (keys.numel(),))
         if self.cache is not None:
             self.cache.drop(keys)  # loaded rows go to the backing store, not through the cache
+            self.cache.unflushed = True
         ix, be = self.index, self.index.backend
         bkeys = keys.to(ix.keys.device)
-        slots = be.find(ix, bkeys, self._no_scores.to(bkeys.device), self._policy, self.step,
-                        False, True)
-        miss = slots < 0
-        n_ev, n_fail = 0, 0
-        if bool(miss.any()):
-            new, _, ev = be.insert(ix, bkeys[miss], self._no_scores.to(bkeys.device),
-                                   self._policy, self.step)
+        none = self._no_scores.to(bkeys.device)
+        slots = be.find(ix, bkeys, none, P_NO_EVICTION, self.step, False, True)
+        miss = torch.nonzero(slots < 0).flatten()
+        if miss.numel():  # never evicts: a key without a free slot fails
+            new, fresh, _ = be.insert(ix, bkeys[miss], none, P_NO_EVICTION, self.step)
             slots[miss] = new
-            n_ev, n_fail = ev[0].numel(), int((new < 0).sum())
-            if n_ev:
-                self._take_evicted(*ev, with_rows=False)
         be.unpin(ix, slots)
-        if n_ev or n_fail:
+        if miss.numel() and bool((new < 0).any()):
+            failed = int((new < 0).sum())
+            be.erase(ix, bkeys[miss][fresh])  # roll back: the table is as it was
             raise CapacityError(
-                f"table {self.name!r}: load_rows placed {keys.numel() - n_fail} of {keys.numel()} "
-                f"rows and evicted {n_ev} others (capacity {self.capacity()}, size "
-                f"{self.size()}); load into a table with more capacity.")
+                f"table {self.name!r}: load_rows cannot place {failed} of {keys.numel()} rows "
+                f"without evicting others (their buckets are full; capacity {self.capacity()}, "
+                f"size {self.size()}); nothing was loaded. Load into a table with more capacity.")
         rids = slots.to(self.device) + self.row_offset
         self.store.write(rids, embeddings.detach().to(self.device, torch.float32))
         self.store.write(rids, optimizer_state.detach().to(self.device, torch.float32), self.dim)
@@ -218,9 +213,12 @@ class DynamicTable:
         gone = self.index.backend.erase(self.index, keys.to(self.index.keys.device))
         n = int((gone >= 0).sum())
         if n:
+            self.step += 1  # a write: exports since the previous step see it
             self._epoch += 1
             self._counters["erased"] += n
-            self._log_evictions(keys[(gone >= 0).to(keys.device)])
+            self.log.add(self.step, keys[(gone >= 0).to(keys.device)])
+            if self.cache is not None:
+                self.cache.unflushed = True
         return n
 
     def export_batch(self, start: int, count: int, *, since_step: int | None = None) -> ExportBatch:
@@ -259,6 +257,13 @@ class DynamicTable:
 
     def size(self) -> int:
         return self.index.size()
+
+    def home_buckets(self, keys: torch.Tensor) -> torch.Tensor:
+        """The bucket (of ``index``, the table as a whole) each key (N,) lives in if present
+        (e.g. to check that rows fit before loading them: a bucket holds ``index.width``)."""
+        keys = self._keys(keys, "home_buckets")
+        ix = self.index
+        return home_bucket(keys, index_hash(keys), ix.num_buckets, ix.split)
 
     def capacity(self) -> int:
         return self.index.num_slots
@@ -306,30 +311,29 @@ class DynamicTable:
 
     # ------------------------------------------------------------------ eviction log
 
-    def track_evictions(self) -> None:
+    def track_evictions(self, *, restart: bool = False) -> None:
         """Starts logging the keys evicted from the table or erased, with their table step (for
-        incremental exports: :meth:`evicted_since`). Idempotent."""
-        if self._eviction_log is None:
-            self._eviction_log, self._log_start = [], self.step
+        incremental exports: :meth:`evicted_since`, ``export_batch(since_step=)``).
+        Idempotent; ``restart`` empties the log and starts it at the current step."""
+        self.log.start(self.step, restart=restart)
 
     def evicted_since(self, step: int) -> torch.Tensor:
         """Distinct keys (int64) evicted or erased at a table step after ``step``."""
-        if self._eviction_log is None or step < self._log_start:
-            since = "never started" if self._eviction_log is None else f"starts at step {self._log_start}"
-            raise InputError(f"table {self.name!r}: evictions since step {step} are unknown: the "
-                             f"eviction log {since} (call track_evictions() before that step).")
-        parts = [k for s, k in self._eviction_log if s > step]
-        return torch.unique(torch.cat(parts)) if parts else self._no_scores.clone()
+        return self.log.since(step, f"table {self.name!r}")
 
     def trim_eviction_log(self, step: int) -> None:
         """Forgets log entries at or before ``step`` (after exporting them)."""
-        if self._eviction_log is not None:
-            self._eviction_log = [(s, k) for s, k in self._eviction_log if s > step]
-            self._log_start = max(self._log_start, step)
+        self.log.trim(step)
 
-    def _log_evictions(self, keys: torch.Tensor) -> None:
-        if self._eviction_log is not None and keys.numel():
-            self._eviction_log.append((self.step, keys.to(self.device).clone()))
+    def close(self, *, delete_files: bool = False) -> None:
+        """With ``ddr_path``: flushes (CACHING), or with ``delete_files`` removes the files this
+        table created (e.g. a collection's tables that ``distributed.shard`` replaced)."""
+        if self.files is None:
+            return
+        if delete_files and not self.files.reopen:
+            self.files.delete()
+        else:
+            self.flush()
 
     # ------------------------------------------------------------------ module path
 
@@ -355,7 +359,8 @@ class DynamicTable:
         and the eval-initializer rows of entries without a row. Rows are located again if rows
         were evicted since the lookup."""
         rids = self.current_slots(lk)
-        away = torch.nonzero((rids < 0) | (rids >= self.layout.hbm_rows)).flatten()
+        away = rids < 0 if self.store.ddr is None else (rids < 0) | (rids >= self.layout.hbm_rows)
+        away = torch.nonzero(away).flatten()
         extra = torch.empty(away.numel(), self.dim, dtype=torch.float32, device=self.device)
         src = rids
         if away.numel():
@@ -454,7 +459,9 @@ class DynamicTable:
 
     def _init_rows(self, ix: HashIndex, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the table's index)."""
-        self.store.init(slots.to(self.device) + self.row_offset, keys, self.optimizer.initial_state,
+        rids = slots.to(self.device)
+        self.store.init(rids + self.row_offset if self.row_offset else rids, keys,
+                        self.optimizer.initial_state,
                         self.config.initializer, self._init_mix)
         ix.written[slots] = self.step
 
@@ -474,7 +481,7 @@ class DynamicTable:
         if keys.numel() == 0:
             return self._evicted_none()
         self._epoch += 1
-        self._log_evictions(keys)
+        self.log.add(self.step, keys)
         keys, scores = keys.to(self.device), scores.to(self.device)
         if not with_rows:
             return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
@@ -497,57 +504,3 @@ class DynamicTable:
         self.index.written[rids] = self.step
         if self.config.score == ScorePolicy.STEP:
             self.index.scores[rids] = self.step
-
-    def _on_full(self, failed: int) -> None:
-        self._counters["failed_inserts"] += failed
-        if self.config.on_full == OnFull.COUNT:
-            return
-        if self.config.score == ScorePolicy.NO_EVICTION:
-            why = "its bucket is full and score=NO_EVICTION forbids eviction"
-        elif self.config.score == ScorePolicy.CUSTOM:
-            why = "its bucket is full of rows used by this call or with higher custom scores"
-        else:
-            why = "its bucket is full of rows used by this same call (the table is too small for the batch)"
-        msg = (f"table {self.name!r}: {failed} key occurrence(s) could not get a row: {why} "
-               f"(size {self.size()} of capacity {self.capacity()}). Raise capacity, choose an "
-               "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "
-               "initializer and count them in stats().failed_inserts.")
-        if self.config.on_full == OnFull.RAISE:
-            raise CapacityError(msg)
-        logger.warning(msg)
-
-    def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
-        check_keys(keys, f"table {self.name!r}: {verb}")
-        return keys.to(self.device)
-
-    def _check_rows(self, keys, values, optimizer_state, verb) -> None:
-        if keys.numel() != torch.unique(keys).numel():
-            raise InputError(f"table {self.name!r}: {verb} expects distinct keys.")
-        self._check_shape("values", values, (keys.numel(), self.dim))
-        if optimizer_state is not None:
-            self._check_shape("optimizer_state", optimizer_state,
-                              (keys.numel(), self.optimizer.state_width))
-
-    def _scores(self, scores, keys, verb) -> torch.Tensor | None:
-        if scores is None:
-            return None
-        if self.config.score != ScorePolicy.CUSTOM:
-            raise InputError(f"table {self.name!r}: {verb} got scores but the table's score "
-                             f"policy is {self.config.score.name}; scores need ScorePolicy.CUSTOM.")
-        self._check_shape("scores", scores, (keys.numel(),))
-        if scores.dtype.is_floating_point or scores.dtype == torch.bool:
-            raise InputError(f"table {self.name!r}: {verb} expects integer scores, found "
-                             f"{scores.dtype}.")
-        scores = scores.to(device=self.device, dtype=torch.int64)
-        uk, inv = torch.unique(keys, return_inverse=True)
-        if uk.numel() < keys.numel():  # one score per key: duplicates must agree
-            low = torch.full_like(uk, torch.iinfo(torch.int64).max).scatter_reduce(0, inv, scores, "amin")
-            if not bool((low[inv] == scores).all()):
-                raise InputError(f"table {self.name!r}: {verb} got one key twice with different "
-                                 "scores; give each key one score.")
-        return scores
-
-    def _check_shape(self, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            raise InputError(f"table {self.name!r}: {what} must have shape {shape}, found "
-                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}.")

@@ -121,6 +121,7 @@ def run_ops(backend: str, policy: dynemb.ScorePolicy, ops, report=lambda _: None
             n = table.erase(t)
             gone = set(keys) & set(model.values)
             assert n == len(gone)
+            model.step += bool(gone)  # an erase that removes rows is a write: a table step
             for k in gone:
                 del model.values[k], model.scores[k]
         else:

@@ -1,0 +1,71 @@
+"""What a table checks and reports about its callers' input (a mixin of ``DynamicTable``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dynemb.batch import check_keys
+from dynemb.config import OnFull, ScorePolicy
+from dynemb.errors import CapacityError, InputError
+
+logger = logging.getLogger("dynemb.table.table")
+
+
+class TableChecks:
+    """Input validation and the ``on_full`` policy of a :class:`~dynemb.DynamicTable`."""
+
+    def _on_full(self, failed: int) -> None:
+        self._counters["failed_inserts"] += failed
+        if self.config.on_full == OnFull.COUNT:
+            return
+        if self.config.score == ScorePolicy.NO_EVICTION:
+            why = "its bucket is full and score=NO_EVICTION forbids eviction"
+        elif self.config.score == ScorePolicy.CUSTOM:
+            why = "its bucket is full of rows used by this call or with higher custom scores"
+        else:
+            why = "its bucket is full of rows used by this same call (the table is too small for the batch)"
+        msg = (f"table {self.name!r}: {failed} key occurrence(s) could not get a row: {why} "
+               f"(size {self.size()} of capacity {self.capacity()}). Raise capacity, choose an "
+               "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "
+               "initializer and count them in stats().failed_inserts.")
+        if self.config.on_full == OnFull.RAISE:
+            raise CapacityError(msg)
+        logger.warning(msg)
+
+    def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
+        check_keys(keys, f"table {self.name!r}: {verb}")
+        return keys.to(self.device)
+
+    def _check_rows(self, keys, values, optimizer_state, verb) -> None:
+        if keys.numel() != torch.unique(keys).numel():
+            raise InputError(f"table {self.name!r}: {verb} expects distinct keys.")
+        self._check_shape("values", values, (keys.numel(), self.dim))
+        if optimizer_state is not None:
+            self._check_shape("optimizer_state", optimizer_state,
+                              (keys.numel(), self.optimizer.state_width))
+
+    def _scores(self, scores, keys, verb) -> torch.Tensor | None:
+        if scores is None:
+            return None
+        if self.config.score != ScorePolicy.CUSTOM:
+            raise InputError(f"table {self.name!r}: {verb} got scores but the table's score "
+                             f"policy is {self.config.score.name}; scores need ScorePolicy.CUSTOM.")
+        self._check_shape("scores", scores, (keys.numel(),))
+        if scores.dtype.is_floating_point or scores.dtype == torch.bool:
+            raise InputError(f"table {self.name!r}: {verb} expects integer scores, found "
+                             f"{scores.dtype}.")
+        scores = scores.to(device=self.device, dtype=torch.int64)
+        uk, inv = torch.unique(keys, return_inverse=True)
+        if uk.numel() < keys.numel():  # one score per key: duplicates must agree
+            low = torch.full_like(uk, torch.iinfo(torch.int64).max).scatter_reduce(0, inv, scores, "amin")
+            if not bool((low[inv] == scores).all()):
+                raise InputError(f"table {self.name!r}: {verb} got one key twice with different "
+                                 "scores; give each key one score.")
+        return scores
+
+    def _check_shape(self, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise InputError(f"table {self.name!r}: {what} must have shape {shape}, found "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}.")
