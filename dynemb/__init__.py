@@ -17,6 +17,7 @@ from dynemb.table import (
     TierMemory, table_memory,
 )
 from dynemb import distributed  # after nn: the sharded collections build on the modules
+from dynemb import checkpoint  # after distributed: it saves and reshards sharded collections
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",
     "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "OnFull",
     "OptimizerConfig", "PoolingMode", "Routing", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
-    "Storage", "StorageMode", "TableConfig", "TableStats", "TierMemory", "distributed", "errors",
+    "Storage", "StorageMode", "TableConfig", "TableStats", "TierMemory", "checkpoint",
+    "distributed", "errors",
     "table_memory",
 ]

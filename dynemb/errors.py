@@ -5,7 +5,8 @@
     DynembError                     base of everything dynemb raises on purpose
     ├── InputError (ValueError)     a batch, key tensor or argument that cannot be used
     ├── ConfigError (ValueError)    a configuration that cannot be built
-    └── CapacityError (RuntimeError) a table has no room for a key and may not evict
+    ├── CapacityError (RuntimeError) a table has no room for a key and may not evict
+    └── CheckpointError             a checkpoint that cannot be written or loaded
 
 Messages say what was expected, what was found, and how to fix it.
 """
@@ -27,3 +28,12 @@ class ConfigError(DynembError, ValueError):
 
 class CapacityError(DynembError, RuntimeError):
     """A key could not get a row: the table (or its bucket) is full and eviction is not allowed."""
+
+
+class CheckpointError(DynembError):
+    """A checkpoint cannot be written or loaded: a missing, truncated or corrupted file, a
+    manifest from another configuration (table names, dims, optimizer type, routing mode or
+    world size without ``reshard=True``), or a failed collective save.
+
+    A load that raises it before its mutation phase leaves the model untouched.
+    """

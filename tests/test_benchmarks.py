@@ -127,3 +127,41 @@ def test_sharded_step_smoke(tmp_path):
         assert all(n > 0 for n in sh["rows_stored"])
         assert positive(r["ratios"]["speedup_sharded_vs_single_process"])
         assert positive(r["ratios"]["ideal_speedup_without_communication"])
+
+
+def test_storage_modes_smoke(tmp_path):
+    rec = run_smoke("storage_modes", tmp_path)
+    names = [r["name"] for r in rec["results"]]
+    assert names[0] == "hbm_only" and len(names) == len(set(names)) == 19
+    for mode in ("hybrid", "caching"):
+        for x in (0.1, 0.2, 0.5, 0.8):
+            assert {f"{mode}_x{x}_ram", f"{mode}_x{x}_mmap"} <= set(names)
+    for r in rec["results"]:
+        assert positive(r["step_ms"]) and positive(r["step_ms_vs_hbm_only"]), r["name"]
+        assert 0 <= r["hbm_hit_rate"] <= r["hit_rate"] <= 1 and r["table_evictions"] == 0
+        if r["cache_load_factor"] == 1.0:
+            assert r["mode"] == "hbm_only" and r["ddr_bytes"] == 0
+        elif r["mode"] == "caching":  # the cache serves what the table serves, once warm
+            assert r["hbm_hit_rate"] > 0 and r["ddr_bytes"] > 0
+
+
+def test_checkpoint_io_smoke(tmp_path):
+    rec = run_smoke("checkpoint_io", tmp_path, "--dir", str(tmp_path))
+    raw = rec["raw_disk"]
+    for key in ("write_fsync_mb_per_s", "read_cold_mb_per_s", "read_warm_mb_per_s",
+                "sha256_in_memory_mb_per_s"):
+        assert positive(raw[key]), key
+    full, inc = rec["full"], rec["incremental"]
+    assert full["rows"] > 0.99 * 20_000 and raw["bytes"] == full["checkpoint_bytes"] > 0
+    for op in ("save", "load_cold", "load_warm"):
+        for key in ("median_s", "mb_per_s", "rows_per_s"):
+            assert positive(full[op][key]), (op, key)
+    assert 0 < inc["delta_bytes"] < full["checkpoint_bytes"]
+    assert inc["delta_rows"] == int(full["rows"] * inc["delta_fraction"]) > 0
+    for op in ("export", "load_cold_on_base"):
+        assert positive(inc[op]["mb_per_s"]) and positive(inc[op]["rows_per_s"]), op
+    assert set(rec["ratios"]) == {"save_vs_raw_write", "load_cold_vs_raw_read_cold",
+                                  "load_warm_vs_raw_read_warm",
+                                  "incremental_export_vs_full_save_time"}
+    assert all(map(positive, rec["ratios"].values()))
+    assert list(tmp_path.glob("dynemb-ckpt-bench-*")) == []  # the checkpoints were removed

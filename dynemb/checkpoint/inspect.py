@@ -1,0 +1,125 @@
+"""``dynemb inspect PATH``: what a checkpoint holds, read from its manifest (no tensor is loaded).
+
+Prints the header (kind, step, world size, versions), the dense state, and per table its
+configuration summary and a row per rank: rows, table and optimizer steps, files and bytes.
+``--verify`` also checks every file's size and sha256; ``--json`` prints the manifest as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dynemb.errors import CheckpointError
+from dynemb.checkpoint.files import verify
+from dynemb.checkpoint.manifest import DELTA, read_manifest
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _optimizer(opt: dict) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in opt.items() if k != "type" and v is not None)
+    return f"{opt['type']}({args})"
+
+
+def _rank_files(r: dict) -> list[str]:
+    files = [p["file"] for p in r["parts"]]
+    files += [r[k]["file"] for k in ("admission", "evicted") if r.get(k)]
+    return files
+
+
+def _table_lines(key: str, t: dict, files: dict, delta: bool) -> list[str]:
+    adm = "yes" if t["admission"] else "no"
+    lines = [f"table {key!r}: dim {t['dim']}, optimizer {_optimizer(t['optimizer'])}, "
+             f"routing {t['routing']}, storage {t['storage_mode']}, score {t['score']}, "
+             f"admission {adm}, capacity {t['config'].get('capacity')}"]
+    head = (f"  {'rank':>4}  {'rows':>12}  {'table_step':>10}  {'opt_step':>8}  {'files':>5}  "
+            f"{'bytes':>10}")
+    lines.append(head + ("  evicted" if delta else ""))
+    total_rows = total_bytes = 0
+    for i, r in enumerate(t["ranks"]):
+        fs = _rank_files(r)
+        nbytes = sum(files[f]["bytes"] for f in fs if f in files)
+        total_rows += r["rows"]
+        total_bytes += nbytes
+        line = (f"  {i:>4}  {r['rows']:>12,}  {r['table_step']:>10}  {r['optimizer_step']:>8}  "
+                f"{len(fs):>5}  {_size(nbytes):>10}")
+        if delta:
+            line += f"  {(r.get('evicted') or {}).get('keys', 0):,}"
+        lines.append(line)
+    lines.append(f"  total {total_rows:,} rows, {_size(total_bytes)}")
+    return lines
+
+
+def describe(path: str | Path) -> str:
+    """A human-readable summary of the checkpoint at ``path`` (from its manifest).
+
+    Raises:
+        CheckpointError: no readable checkpoint manifest there.
+    """
+    root = Path(path)
+    m = read_manifest(root)
+    files = m["files"]
+    delta = m["kind"] == DELTA
+    created = datetime.datetime.fromtimestamp(m["created_unix"], datetime.timezone.utc)
+    since = f", rows since step {m['since_step']}" if delta else ""
+    lines = [
+        f"dynemb checkpoint {root}",
+        f"  kind {m['kind']}{since}, step {m['step']}, world size {m['world_size']}, "
+        f"format {m['format_version']}, dynemb {m['library_version']}, torch {m['torch_version']}",
+        f"  created {created:%Y-%m-%d %H:%M:%S} UTC, {len(files)} files, "
+        f"{_size(sum(f['bytes'] for f in files.values()))}",
+    ]
+    d = m["dense"]
+    dense_bytes = sum(files[f]["bytes"] for f in d["files"] if f in files)
+    lines.append(f"dense: optimizer {d['optimizer'] or 'none'}, "
+                 f"{'replicated on every rank' if d['replicated'] else 'differs between ranks'}, "
+                 f"{len(d['files'])} file(s), {_size(dense_bytes)}")
+    for key, t in m["tables"].items():
+        lines += _table_lines(key, t, files, delta)
+    return "\n".join(lines)
+
+
+def verify_all(path: str | Path) -> int:
+    """Checks the size and sha256 of every file the manifest lists; returns how many."""
+    root = Path(path)
+    m = read_manifest(root)
+    for rel, entry in m["files"].items():
+        verify(root, rel, entry)
+    return len(m["files"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dynemb inspect PATH [--verify] [--json]``; returns the exit status (1 on a bad
+    checkpoint, with the reason on stderr)."""
+    p = argparse.ArgumentParser(prog="dynemb inspect",
+                                description="Show what a dynemb checkpoint holds.")
+    p.add_argument("path", type=Path, help="a checkpoint directory")
+    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    args = p.parse_args(argv)
+    try:
+        if args.json:
+            print(json.dumps(read_manifest(args.path), indent=1, sort_keys=True))
+        else:
+            print(describe(args.path))
+        if args.verify:
+            print(f"verified {verify_all(args.path)} files: sizes and sha256 match")
+    except CheckpointError as e:
+        print(f"dynemb inspect: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
