@@ -79,4 +79,8 @@ class RowOptimizer:
             step_size = c.lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
             name, args = "adam", (step_size, b1, b2, c.eps, c.weight_decay)
         for backend, rows, slots in parts:
-            backend.optimizer(name)(rows, slots, grads.to(rows.device), *args)
+            g = grads
+            if rows.device != grads.device:  # a host tier of a GPU table: move its rows only
+                ok = slots >= 0
+                slots, g = slots[ok], grads[ok.to(grads.device)]
+            backend.optimizer(name)(rows, slots, g.to(rows.device), *args)
