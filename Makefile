@@ -17,12 +17,13 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps recbole==1.2.1
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import torch, dynemb; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 train: install
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python -m dynemb train
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -1,6 +1,6 @@
 """Train a small click model on generated data with a dynamic EmbeddingBagCollection.
 
-Run by ``make train`` (until the main job, ``dynemb train``, lands). The data: users and items
+The plain-API version of what ``dynemb train`` does (``make train``). The data: users and items
 with hidden preference vectors; a click is more likely when they agree. The model learns user and
 item embeddings (created on first sight, no vocabulary) plus a small MLP; the loss falls.
 

@@ -1,0 +1,125 @@
+"""The ``dynemb`` command line.
+
+::
+
+    dynemb train [--config run.yaml] [--data movielens-100k|synthetic|criteo:PATH] [--steps N]
+                 [--batch-size B] [--out runs/NAME] [--resume] [--set KEY=VALUE ...]
+    dynemb inspect PATH [--verify] [--json]
+
+Each subcommand is a function that adds its parser (``_add_train``) and a handler it sets as
+``handler``; :data:`SUBCOMMANDS` lists the adders, so a new subcommand is one function and one
+entry there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from dynemb.checkpoint.inspect import main as inspect_main
+from dynemb.errors import DynembError
+from dynemb.train import TrainConfig, format_summary, from_dict, train
+from dynemb.train.config_io import apply_overrides, read_file
+
+
+def _set(data: dict, dotted: str, value: object) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _setup_logging(verbose: bool) -> None:
+    """INFO (DEBUG with -v) to stderr on rank 0; warnings only on the other ranks."""
+    rank = int(os.environ.get("RANK", "0"))
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level if rank == 0 else logging.WARNING,
+                        format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+                        stream=sys.stderr)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a DLRM click model",
+                       description="Train a DLRM click model with dynamic embedding tables; "
+                                   "writes metrics.json, config.yaml and checkpoints/ under "
+                                   "--out. Under torchrun the tables are sharded over the ranks.")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON config (see "
+                   "dynemb.train.TrainConfig); flags below override it")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="movielens-100k (default), synthetic, or criteo:PATH")
+    p.add_argument("--steps", type=int, metavar="N", help="training steps (total)")
+    p.add_argument("--batch-size", type=int, metavar="B", help="samples per step, all ranks")
+    p.add_argument("--out", metavar="DIR", help="run directory (default runs/<data source>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in DIR/checkpoints")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set data.split=time (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(handler=_run_train)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The config of ``dynemb train``: the file, then ``--set`` overrides, then the flags."""
+    data = read_file(args.config) if args.config else {}
+    data = apply_overrides(data, args.set)
+    for flag, key in (("data", "data.source"), ("steps", "steps"),
+                      ("batch_size", "batch_size"), ("out", "out")):
+        value = getattr(args, flag)
+        if value is not None:
+            _set(data, key, value)
+    return from_dict(TrainConfig, data)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    _setup_logging(args.verbose)
+    metrics = train(train_config(args), resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(metrics), flush=True)
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show what a checkpoint holds",
+                       description="Show a checkpoint's manifest, per-table and per-rank rows "
+                                   "and sizes.")
+    p.add_argument("path", help="a checkpoint directory")
+    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(handler=lambda args: inspect_main(
+        [args.path] + ["--verify"] * args.verify + ["--json"] * args.json))
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_train, _add_inspect)
+"""The functions that add each subcommand's parser (and its ``handler``)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dynemb`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="dynemb", description="Dynamic embedding tables for "
+                                     "recommendation models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``dynemb`` with ``argv`` (default: the process's arguments); returns the exit code
+    (2 for a bad config or input, with the error on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except DynembError as error:
+        print(f"dynemb {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dynemb {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

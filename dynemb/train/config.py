@@ -1,0 +1,249 @@
+"""The configuration of ``dynemb train``: frozen dataclasses, every field defaulted and
+validated, loaded from YAML or JSON (unknown keys are errors listing the valid ones).
+
+A config file mirrors the dataclasses; anything left out keeps its default::
+
+    steps: 1250
+    batch_size: 256
+    data: {source: movielens-100k, split: time}
+    model: {embedding_dim: 8, top_mlp: [64, 32]}
+    embeddings: {optimizer: adam, lr: 0.003}
+    dense_optimizer: {name: adam, lr: 0.0005}
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dynemb.config import OnFull, PoolingMode, ScorePolicy
+from dynemb.data.base import is_int, is_number, require
+from dynemb.data.movielens import Split
+from dynemb.data.synthetic import SyntheticConfig
+from dynemb.errors import ConfigError
+
+SOURCES = ("movielens-100k", "synthetic", "criteo:PATH")
+
+
+class SparseOptimizer(str, enum.Enum):
+    """The row optimizer fused into the embedding tables."""
+
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAM = "adam"
+
+
+class DenseOptimizer(str, enum.Enum):
+    """The torch.optim optimizer of the MLPs."""
+
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+
+
+def _check_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
+    ok = is_int(value) and value >= low and (high is None or value <= high)
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    require(ok, owner, name, value, f"an int {bound}")
+
+
+def _check_sizes(owner: str, name: str, value: object) -> tuple[int, ...]:
+    ok = isinstance(value, (list, tuple)) and all(is_int(v) and 1 <= v <= 1 << 16 for v in value)
+    require(ok, owner, name, value, "a list of layer sizes, ints in [1, 65536]")
+    return tuple(value)
+
+
+def _check_enum(owner: str, name: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{owner}.{name}: expected one of {[k.value for k in kind]}, "
+                          f"found {value!r}.") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the samples come from and how they are served."""
+
+    source: str = "movielens-100k"
+    """``movielens-100k``, ``synthetic`` or ``criteo:PATH`` (a Criteo TSV file, .gz allowed)."""
+    split: Split = Split.RANDOM
+    """MovieLens: ``random`` (seeded 80/20) or ``time`` (the latest ratings held out)."""
+    eval_fraction: float = 0.2
+    """MovieLens: share of the ratings held out. Criteo: share of the lines held out (every
+    round(1 / eval_fraction)-th line)."""
+    count_features: bool = True
+    """MovieLens: add the log number of ratings the user, and the item, had before each rating
+    (by timestamp) as dense features (history lengths; no labels)."""
+    seed: int = 0
+    """Seeds the MovieLens random split and the order of samples in each epoch."""
+    prefetch: int = 0
+    """Batches a background thread prepares ahead of the step (0: none; measured on 2 cores:
+    batch building holds the GIL, so a thread moves its cost into the step rather than hiding
+    it)."""
+    workers: int = 0
+    """1: build training batches in a background process (a spawned DataLoader worker), which
+    can overlap GIL-bound work such as Criteo parsing with the step when a core is free."""
+    eval_batch_size: int = 4096
+    """Samples per evaluation batch (all ranks together)."""
+    max_eval_samples: int = 0
+    """Held-out samples evaluated (0: all of them)."""
+    train_eval_samples: int = 20_000
+    """Training samples scored at the end for the train AUC and log loss (0: none)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """The synthetic generator's settings (``source: synthetic``)."""
+
+    def __post_init__(self) -> None:
+        own = "DataConfig"
+        ok = isinstance(self.source, str) and (self.source in ("movielens-100k", "synthetic")
+                                               or (self.source.startswith("criteo:")
+                                                   and len(self.source) > len("criteo:")))
+        require(ok, own, "source", self.source, f"one of {list(SOURCES)}")
+        object.__setattr__(self, "split", _check_enum(own, "split", self.split, Split))
+        require(is_number(self.eval_fraction) and 0 < self.eval_fraction < 1, own,
+                "eval_fraction", self.eval_fraction, "a number in (0, 1)")
+        require(isinstance(self.count_features, bool), own, "count_features",
+                self.count_features, "true or false")
+        _check_int(own, "seed", self.seed, 0, 2**62)
+        _check_int(own, "prefetch", self.prefetch, 0, 64)
+        _check_int(own, "workers", self.workers, 0, 1)
+        _check_int(own, "eval_batch_size", self.eval_batch_size, 1)
+        _check_int(own, "max_eval_samples", self.max_eval_samples, 0)
+        _check_int(own, "train_eval_samples", self.train_eval_samples, 0)
+        require(isinstance(self.synthetic, SyntheticConfig), own, "synthetic", self.synthetic,
+                "a SyntheticConfig")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The DLRM's shape."""
+
+    embedding_dim: int = 8
+    """Dimension of every embedding table and of the bottom MLP's output."""
+    bottom_mlp: tuple[int, ...] = (64,)
+    """Hidden layer sizes of the bottom MLP (dense features)."""
+    top_mlp: tuple[int, ...] = (64, 32)
+    """Hidden layer sizes of the top MLP (before the one-logit output)."""
+
+    def __post_init__(self) -> None:
+        _check_int("ModelConfig", "embedding_dim", self.embedding_dim, 1, 4096)
+        for name in ("bottom_mlp", "top_mlp"):
+            object.__setattr__(self, name, _check_sizes("ModelConfig", name, getattr(self, name)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig:
+    """The dynamic tables: one per sparse feature."""
+
+    optimizer: SparseOptimizer = SparseOptimizer.ADAM
+    """Row optimizer fused into backward."""
+    lr: float = 0.003
+    """Its learning rate."""
+    weight_decay: float = 0.0
+    """Its L2 penalty."""
+    init_std: float = 0.01
+    """Standard deviation of the normal initial rows."""
+    capacity: int = 1 << 16
+    """Rows per table at most; a table whose number of ids is known gets 2x that (at least
+    1024) if smaller. Sharded: the global capacity."""
+    score: ScorePolicy = ScorePolicy.LRU
+    """Eviction policy when a table is full."""
+    pooling: PoolingMode = PoolingMode.SUM
+    """How a multi-id bag (e.g. genres) is pooled."""
+    admission_threshold: int = 0
+    """A new id gets a row only after this many sightings (0 or 1: at once)."""
+    on_full: OnFull = OnFull.RAISE
+    """When an id cannot get a row (a full table without eviction)."""
+    backend: str | None = None
+    """Kernel backend: ``numba``, ``torch`` or null (numba on CPU, torch elsewhere)."""
+
+    def __post_init__(self) -> None:
+        own = "EmbeddingConfig"
+        for name, kind in (("optimizer", SparseOptimizer), ("score", ScorePolicy),
+                           ("pooling", PoolingMode), ("on_full", OnFull)):
+            object.__setattr__(self, name, _check_enum(own, name, getattr(self, name), kind))
+        for name in ("lr", "weight_decay", "init_std"):
+            value = getattr(self, name)
+            require(is_number(value) and value >= 0, own, name, value, "a finite number >= 0")
+        _check_int(own, "capacity", self.capacity, 1, 1 << 40)
+        _check_int(own, "admission_threshold", self.admission_threshold, 0)
+        require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
+                "numba, torch or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseOptimizerConfig:
+    """The optimizer of the MLPs."""
+
+    name: DenseOptimizer = DenseOptimizer.ADAM
+    """Which torch.optim optimizer."""
+    lr: float = 0.0005
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """L2 penalty."""
+
+    def __post_init__(self) -> None:
+        own = "DenseOptimizerConfig"
+        object.__setattr__(self, "name", _check_enum(own, "name", self.name, DenseOptimizer))
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            require(is_number(value) and value >= 0, own, name, value, "a finite number >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One ``dynemb train`` run."""
+
+    out: str = ""
+    """Run directory (metrics.json, config.yaml, checkpoints/); empty: runs/<data source>."""
+    steps: int = 1250
+    """Training steps (the total: a resumed run continues up to it)."""
+    batch_size: int = 256
+    """Samples per step, all ranks together (each rank takes batch_size / world size)."""
+    eval_every: int = 500
+    """Steps between evaluations recorded in the history (0: only at the end)."""
+    log_every: int = 100
+    """Steps between progress log lines when stderr is not a terminal."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: none during training)."""
+    checkpoint_at_end: bool = True
+    """Save a checkpoint after the last step."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in <out>/checkpoints (older ones are deleted; 0: keep all)."""
+    seed: int = 0
+    """Seeds the dense layers' initial weights."""
+    threads: int = 1
+    """torch intra-op threads per process (one is fastest for small ops on small machines)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (under torchrun each rank takes cuda:<local rank>)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+
+    def __post_init__(self) -> None:
+        own = "TrainConfig"
+        require(isinstance(self.out, str), own, "out", self.out, "a path string")
+        _check_int(own, "steps", self.steps, 1)
+        _check_int(own, "batch_size", self.batch_size, 1)
+        for name in ("eval_every", "checkpoint_every", "keep_checkpoints"):
+            _check_int(own, name, getattr(self, name), 0)
+        _check_int(own, "log_every", self.log_every, 1)
+        require(isinstance(self.checkpoint_at_end, bool), own, "checkpoint_at_end",
+                self.checkpoint_at_end, "true or false")
+        _check_int(own, "seed", self.seed, 0, 2**62)
+        _check_int(own, "threads", self.threads, 1, 1024)
+        require(self.device in ("cpu", "cuda"), own, "device", self.device, "cpu or cuda")
+        for name, kind in (("data", DataConfig), ("model", ModelConfig),
+                           ("embeddings", EmbeddingConfig),
+                           ("dense_optimizer", DenseOptimizerConfig)):
+            require(isinstance(getattr(self, name), kind), own, name, getattr(self, name),
+                    f"a {kind.__name__}")
+
+    @property
+    def run_dir(self) -> str:
+        """``out``, or runs/<data source> when it is empty."""
+        if self.out:
+            return self.out
+        return "runs/" + self.data.source.split(":", 1)[0]

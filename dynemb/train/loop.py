@@ -1,0 +1,212 @@
+"""The training loop of ``dynemb train``: build, (resume), train, evaluate, report.
+
+One step: the next batch (prefetched by a background thread), the DLRM's forward, binary
+cross-entropy, backward (the tables' fused optimizers update their rows in place), the dense
+gradients summed over the ranks, the dense optimizer's step. Under torchrun each rank trains on
+its own batch_size / W samples; its loss is scaled by 1 / W so that the summed gradients are
+those of the mean loss over the global batch, as in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dynemb.data.base import Batch, DataSource
+from dynemb.data.prefetch import Prefetcher, worker_batches
+from dynemb.errors import ConfigError
+from dynemb.models.dlrm import DLRM
+from dynemb.train import checkpoints
+from dynemb.train.config import TrainConfig
+from dynemb.train.config_io import dump_yaml
+from dynemb.train.evaluate import evaluate, evaluate_train
+from dynemb.train.parallel import Env, all_max, all_sum, environment, sum_gradients
+from dynemb.train.progress import Progress
+from dynemb.train.report import memory_report, table_report, write_json
+from dynemb.train.setup import build_model, dense_optimizer, make_source
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything a running job holds."""
+
+    config: TrainConfig
+    env: Env
+    out: Path
+    source: DataSource
+    model: DLRM
+    optimizer: torch.optim.Optimizer
+    progress: Progress
+    history: list[dict] = field(default_factory=list)
+    train_s: float = 0.0
+    """Seconds spent in training steps (data wait included; evaluation and saving not)."""
+    last_loss: float = float("nan")
+    """Mean training loss over the last log window (all ranks)."""
+    data_wait_s: float = 0.0
+    """Of ``train_s``, seconds spent waiting for the next batch."""
+    saved_step: int = -1
+
+
+def train(config: TrainConfig, *, resume: bool = False,
+          interactive: bool | None = None) -> dict:
+    """Runs one training job (one process, or one rank of a torchrun job).
+
+    Args:
+        config: the run's configuration.
+        resume: continue from the newest checkpoint in ``<out>/checkpoints`` up to
+            ``config.steps``.
+        interactive: show a progress bar (True) or log lines (False); default: whether stderr
+            is a terminal.
+    Returns:
+        The metrics written to ``<out>/metrics.json`` (the same dict on every rank).
+    """
+    wall = time.perf_counter()
+    torch.set_num_threads(config.threads)
+    with environment(config.device) as env:
+        if config.batch_size % env.world_size:
+            raise ConfigError(f"TrainConfig.batch_size: expected a multiple of the world size "
+                              f"{env.world_size} (samples per step over all ranks), found "
+                              f"{config.batch_size}.")
+        run = _prepare(config, env, interactive, resume)
+        try:
+            start = checkpoints.restore(run.out, run.model, run.optimizer) if resume else 0
+            if start:
+                run.history = [h for h in checkpoints.previous_history(run.out)
+                               if h["step"] <= start]
+            _fit(run, start)
+            metrics = _finish(run, start, wall)
+        finally:
+            run.progress.close()
+    return metrics
+
+
+def _prepare(config: TrainConfig, env: Env, interactive: bool | None, resume: bool) -> Run:
+    out = Path(config.run_dir)
+    config = dataclasses.replace(config, out=str(out))
+    if env.is_main:
+        if not resume:
+            checkpoints.clear(out)
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_yaml(config), encoding="utf-8")
+    source = make_source(config.data)
+    model = build_model(config, source, env)
+    progress = Progress(config.steps, enabled=env.is_main, interactive=interactive)
+    logger.debug("rank %d: %s, %d dense and %d sparse features", env.rank, source.name,
+                 len(source.dense_names), len(source.features))
+    return Run(config=config, env=env, out=out, source=source, model=model,
+               optimizer=dense_optimizer(config, model), progress=progress)
+
+
+def _step(run: Run, batch: Batch, params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One training step; returns this rank's mean loss (detached)."""
+    logits = run.model(batch.dense, batch.sparse)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    run.optimizer.zero_grad(set_to_none=True)
+    (loss / run.env.world_size).backward()  # rows are updated here by their fused optimizer
+    sum_gradients(run.env, params)
+    run.optimizer.step()
+    return loss.detach()
+
+
+def _fit(run: Run, start: int) -> None:
+    """Trains from step ``start`` + 1 to ``config.steps``, logging, evaluating and saving on
+    the way."""
+    cfg, env = run.config, run.env
+    run.progress.advance_to(start)
+    per_rank = cfg.batch_size // env.world_size
+    if cfg.data.workers:
+        stream = worker_batches(run.source, per_rank, rank=env.rank,
+                                world_size=env.world_size, start=start)
+    else:
+        stream = run.source.train_batches(per_rank, rank=env.rank, world_size=env.world_size,
+                                          start=start)
+    params = run.model.dense_parameters()
+    window = [torch.zeros((), dtype=torch.float64, device=env.device), 0]
+    run.model.train()
+    with Prefetcher(stream, cfg.data.prefetch) as batches:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            loss = _step(run, next(batches).to(env.device), params)
+            window[0] += loss
+            window[1] += 1
+            run.train_s += time.perf_counter() - t0
+            run.progress.step()
+            _after_step(run, step, start, window)
+        run.data_wait_s = batches.wait_s
+
+
+def _after_step(run: Run, step: int, start: int, window: list) -> None:
+    cfg = run.config
+    if step % cfg.log_every == 0 or step == cfg.steps:
+        total = all_sum(run.env, torch.stack([window[0], torch.tensor(
+            float(window[1]), dtype=torch.float64, device=run.env.device)])).tolist()
+        run.last_loss = total[0] / max(total[1], 1.0)
+        window[0].zero_()
+        window[1] = 0
+        run.progress.report(step, run.last_loss, _rate(run, step - start))
+    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+        _record_eval(run, step, start)
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        _save(run, step)
+
+
+def _rate(run: Run, steps: int) -> float:
+    return steps * run.config.batch_size / run.train_s if run.train_s > 0 else float("nan")
+
+
+def _record_eval(run: Run, step: int, start: int) -> dict:
+    cfg = run.config
+    result = evaluate(run.model, run.source, run.env, batch_size=cfg.data.eval_batch_size,
+                      max_samples=cfg.data.max_eval_samples)
+    entry = {"step": step, "eval_auc": result["auc"], "eval_log_loss": result["log_loss"],
+             "train_loss": run.last_loss, "samples_per_s": _rate(run, step - start)}
+    run.history = [h for h in run.history if h["step"] != step] + [entry]
+    run.progress.note(f"step {step}: eval AUC {result['auc']:.4f}, log loss "
+                      f"{result['log_loss']:.4f}")
+    return result
+
+
+def _save(run: Run, step: int) -> None:
+    checkpoints.save(run.out, step, run.model, run.optimizer, keep=run.config.keep_checkpoints,
+                     prune=run.env.is_main)
+    run.saved_step = step
+    run.progress.note(f"step {step}: checkpoint saved in {run.out / 'checkpoints'}")
+
+
+def _finish(run: Run, start: int, wall: float) -> dict:
+    """Final evaluation, checkpoint and report; writes metrics.json on rank 0."""
+    cfg, env = run.config, run.env
+    run.progress.close()
+    final = _record_eval(run, cfg.steps, start)
+    train_metrics = {}
+    if cfg.data.train_eval_samples:
+        train_metrics = evaluate_train(run.model, run.source, env,
+                                       batch_size=cfg.data.eval_batch_size,
+                                       samples=cfg.data.train_eval_samples)
+    train_metrics["loss_last_window"] = run.last_loss
+    if cfg.checkpoint_at_end and run.saved_step != cfg.steps:
+        _save(run, cfg.steps)
+    times = all_max(env, torch.tensor([run.train_s, run.data_wait_s],
+                                      dtype=torch.float64, device=env.device)).tolist()
+    steps_run = cfg.steps - start
+    metrics = {
+        "out": str(run.out), "data": {"source": cfg.data.source, **run.source.info},
+        "world_size": env.world_size, "steps": cfg.steps, "batch_size": cfg.batch_size,
+        "resumed_from": start or None, "eval": final, "train": train_metrics,
+        "throughput": {"samples_per_s": steps_run * cfg.batch_size / times[0] if times[0] else 0.0,
+                       "train_s": times[0], "data_wait_s": times[1],
+                       "data_wait_share": times[1] / times[0] if times[0] else 0.0,
+                       "wall_s": time.perf_counter() - wall},
+        "tables": table_report(run.model, env), "memory": memory_report(env),
+        "history": run.history,
+    }
+    if env.is_main:
+        write_json(run.out / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,104 @@
+"""The streaming Criteo TSV reader on small files the tests write (missing values, .gz, the
+eval split, ranks, restarts, and errors naming the line)."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynemb.data import CriteoTSV, parse_lines
+from dynemb.errors import ConfigError, InputError
+
+
+def _line(rng: random.Random, label: int | None = None) -> str:
+    label = rng.randint(0, 1) if label is None else label
+    ints = [str(rng.randint(-2, 500)) if rng.random() > 0.2 else "" for _ in range(13)]
+    cats = [f"{rng.getrandbits(32):08x}" if rng.random() > 0.2 else "" for _ in range(26)]
+    return "\t".join([str(label), *ints, *cats]) + "\n"
+
+
+@pytest.fixture
+def tsv(tmp_path: Path) -> Path:
+    rng = random.Random(0)
+    path = tmp_path / "day_0.tsv"
+    path.write_text("".join(_line(rng) for _ in range(100)))
+    return path
+
+
+def test_parse_values_missing_and_negative():
+    ints = ["5", "", "-3"] + ["0"] * 10
+    cats = ["68fd1e64", ""] + ["0a"] * 24
+    batch = parse_lines([(1, "\t".join(["1", *ints, *cats]) + "\n")])
+    assert batch.labels.tolist() == [1.0]
+    assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
+    values, lengths, _ = batch.sparse.feature("c1")
+    assert values.tolist() == [0x68FD1E64] and lengths.tolist() == [1]
+    assert batch.sparse.feature("c2")[1].tolist() == [0]  # missing: an empty bag
+    assert batch.sparse.feature("c26")[0].tolist() == [10]
+
+
+def test_eval_split_ranks_and_train_sample(tsv):
+    data = CriteoTSV(tsv, eval_fraction=0.1)
+    held = torch.cat([b.labels for b in data.eval_batches(7)])
+    assert held.numel() == 10  # every 10th line
+    lines = tsv.read_text().splitlines()
+    assert held.tolist() == [float(lines[i].split("\t")[0]) for i in range(9, 100, 10)]
+    per_rank = [torch.cat([b.labels for b in data.eval_batches(4, rank=r, world_size=2)])
+                for r in range(2)]
+    assert sorted(x.numel() for x in per_rank) == [5, 5]
+    sample = torch.cat([b.labels for b in data.train_sample_batches(16, 30)])
+    train_lines = [ln for i, ln in enumerate(lines) if i % 10 != 9]
+    assert sample.tolist() == [float(ln.split("\t")[0]) for ln in train_lines[:30]]
+
+
+def test_training_cycles_endlessly_and_restarts_at_a_batch(tsv):
+    data = CriteoTSV(tsv, eval_fraction=0.1)  # 90 training lines
+    it = data.train_batches(40)
+    batches = [next(it) for _ in range(5)]  # 200 lines: more than two passes
+    assert all(b.size == 40 for b in batches)
+    again = next(data.train_batches(40, start=3))
+    assert torch.equal(again.sparse.values, batches[3].sparse.values)
+    r1 = next(data.train_batches(10, rank=1, world_size=2))
+    whole = next(data.train_batches(20))
+    assert torch.equal(r1.labels, whole.labels[1::2])
+
+
+def test_gzip_files(tsv, tmp_path):
+    gz = tmp_path / "day_0.tsv.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(tsv.read_text())
+    a = next(CriteoTSV(gz).train_batches(32))
+    b = next(CriteoTSV(tsv).train_batches(32))
+    assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.dense, b.dense)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda p: p[:-1], "expected 40 tab-separated fields"),
+    (lambda p: ["2", *p[1:]], "a label of 0 or 1"),
+    (lambda p: [p[0], "x1", *p[2:]], "integers"),
+    (lambda p: [*p[:20], "zz", *p[21:]], "hex category"),
+])
+def test_bad_lines_name_the_file_and_line(tmp_path, mutate, match):
+    rng = random.Random(1)
+    good = [_line(rng, 0) for _ in range(3)]
+    parts = good[1].rstrip("\n").split("\t")
+    good[1] = "\t".join(mutate(parts)) + "\n"
+    path = tmp_path / "bad.tsv"
+    path.write_text("".join(good))
+    with pytest.raises(InputError, match=match) as info:
+        next(CriteoTSV(path, eval_fraction=0.25).train_batches(3))
+    assert f"{path}:2" in str(info.value)
+
+
+def test_missing_file_and_too_few_lines(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        CriteoTSV(tmp_path / "none.tsv")
+    path = tmp_path / "one.tsv"
+    path.write_text(_line(random.Random(2)))
+    with pytest.raises(ConfigError, match="no training lines"):
+        next(CriteoTSV(path, eval_fraction=0.5).train_batches(4, rank=1, world_size=2))

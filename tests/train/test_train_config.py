@@ -1,0 +1,96 @@
+"""The run configuration: defaults, validation, unknown keys, YAML/JSON files, overrides and
+the CLI flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from dynemb.cli import build_parser, train_config
+from dynemb.data import Split
+from dynemb.errors import ConfigError
+from dynemb.train import (
+    DataConfig, EmbeddingConfig, ModelConfig, SparseOptimizer, TrainConfig, dump_yaml,
+    from_dict, load, to_dict,
+)
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = TrainConfig()
+    assert cfg.data.source == "movielens-100k" and cfg.data.split is Split.RANDOM
+    assert cfg.run_dir == "runs/movielens-100k"
+    assert from_dict(TrainConfig, to_dict(cfg)) == cfg
+    assert from_dict(TrainConfig, yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_unknown_keys_list_the_valid_ones():
+    with pytest.raises(ConfigError) as info:
+        from_dict(TrainConfig, {"stepz": 3})
+    assert "unknown key(s) ['stepz']" in str(info.value)
+    assert "'batch_size'" in str(info.value) and "'steps'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"data\.synthetic: unknown key\(s\) \['vocab'\]; "
+                                          r"valid keys are \[.*'vocab_sizes'"):
+        from_dict(TrainConfig, {"data": {"synthetic": {"vocab": 5}}})
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"steps": 0}, r"TrainConfig\.steps: expected an int >= 1, found 0"),
+    ({"steps": True}, r"TrainConfig\.steps"),
+    ({"batch_size": 2.5}, r"TrainConfig\.batch_size"),
+    ({"device": "tpu"}, r"TrainConfig\.device"),
+    ({"data": {"source": "imagenet"}}, r"data: DataConfig\.source: expected one of "
+                                       r"\['movielens-100k', 'synthetic', 'criteo:PATH'\]"),
+    ({"data": {"split": "sideways"}}, r"expected one of \['random', 'time'\]"),
+    ({"data": {"eval_fraction": 1}}, r"DataConfig\.eval_fraction"),
+    ({"data": {"synthetic": {"alpha": -1}}}, r"data\.synthetic: SyntheticConfig\.alpha"),
+    ({"model": {"top_mlp": [0]}}, r"ModelConfig\.top_mlp"),
+    ({"model": 3}, r"model: expected a mapping"),
+    ({"embeddings": {"optimizer": "lion"}}, r"'rowwise_adagrad', 'adam'\], found 'lion'"),
+    ({"embeddings": {"lr": -1}}, r"EmbeddingConfig\.lr"),
+    ({"embeddings": {"score": "fifo"}}, r"EmbeddingConfig\.score"),
+    ({"dense_optimizer": {"name": "lamb"}}, r"DenseOptimizerConfig\.name"),
+])
+def test_bad_values_name_the_field(data, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(TrainConfig, data)
+
+
+def test_dataclasses_are_frozen_and_validate_directly():
+    cfg = DataConfig(split="time")
+    assert cfg.split is Split.TIME
+    with pytest.raises(AttributeError):
+        cfg.split = Split.RANDOM  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="capacity"):
+        EmbeddingConfig(capacity=0)
+    assert ModelConfig(top_mlp=[8, 4]).top_mlp == (8, 4)
+    assert EmbeddingConfig(optimizer="rowwise_adagrad").optimizer is SparseOptimizer.ROWWISE_ADAGRAD
+
+
+def test_yaml_and_json_files_and_overrides(tmp_path):
+    (tmp_path / "run.yaml").write_text("steps: 40\ndata:\n  source: synthetic\n"
+                                       "  synthetic: {num_sparse: 2, vocab_sizes: [5, 6]}\n")
+    cfg = load(TrainConfig, tmp_path / "run.yaml", ["model.top_mlp=[16]", "data.split=time"])
+    assert cfg.steps == 40 and cfg.data.synthetic.vocab_sizes == (5, 6)
+    assert cfg.model.top_mlp == (16,) and cfg.data.split is Split.TIME
+    (tmp_path / "run.json").write_text(json.dumps({"batch_size": 64}))
+    assert load(TrainConfig, tmp_path / "run.json").batch_size == 64
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(TrainConfig, tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(TrainConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load(TrainConfig, overrides=["steps"])
+
+
+def test_cli_flags_override_the_file(tmp_path):
+    (tmp_path / "run.yaml").write_text("steps: 40\nbatch_size: 64\nout: runs/a\n")
+    args = build_parser().parse_args([
+        "train", "--config", str(tmp_path / "run.yaml"), "--data", "criteo:/data/day_0.tsv",
+        "--steps", "7", "--out", "runs/b", "--set", "batch_size=32", "--resume"])
+    cfg = train_config(args)
+    assert (cfg.steps, cfg.batch_size, cfg.out) == (7, 32, "runs/b")
+    assert cfg.data.source == "criteo:/data/day_0.tsv" and args.resume
+    assert TrainConfig(data=DataConfig(source="criteo:/x/day_1.gz")).run_dir == "runs/criteo"
