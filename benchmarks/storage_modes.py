@@ -14,7 +14,9 @@ GPU memory and ddr pinned host memory, and the published ordering is HBM_ONLY < 
 Workload: each step is ``batch_size`` bags of ``bag_size`` ids, Zipf(1.05) over ``--universe``
 ids; the table (``--capacity`` rows) holds every id, so nothing is evicted from the table as a
 whole and the modes compute the same rows. Each configuration trains ``--warmup`` steps, then
-``--steps`` timed steps; every configuration sees the same batches.
+``--steps`` timed steps; every configuration sees the same batches. The configurations run in
+``--rounds`` rounds, every other one in reverse order; a configuration's time is the median over
+its steps of all rounds, its counters those of its last round.
 
     .venv/bin/python benchmarks/storage_modes.py [--dim 64] [--optimizer adam] [--out PATH]
 """
@@ -53,14 +55,17 @@ def parse_args(argv=None):
     p.add_argument("--universe", type=int, default=500_000,
                    help="ids are Zipf ranks 1..universe (at most capacity / 2: no table evictions)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps per configuration")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds over every configuration, in reverse order every other round "
+                        "(the first configuration of a process runs slower)")
     p.add_argument("--device", default="cpu", help="the table's device (hbm); cuda for a GPU")
     p.add_argument("--ddr-dir", type=Path, default=None,
                    help="where the memory-mapped ddr files go (default: a temporary directory)")
     args = p.parse_args(argv)
     if args.smoke:
         args.capacity, args.batch_size, args.bag_size, args.universe = 1 << 12, 64, 8, 1500
-        args.warmup, args.steps, args.dim = 2, 2, 8
+        args.warmup, args.steps, args.dim, args.rounds = 2, 2, 8, 1
     if args.universe > args.capacity // 2:
         p.error(f"--universe {args.universe} must be at most capacity / 2 ({args.capacity // 2}) "
                 "so that nothing is evicted from the table as a whole")
@@ -90,7 +95,10 @@ def configurations(ddr_root: Path) -> list[tuple[str, dynemb.Storage]]:
     return out
 
 
-def run_one(args, storage: dynemb.Storage, data: list[dynemb.SparseBatch]) -> dict:
+def run_one(args, storage: dynemb.Storage, data: list[dynemb.SparseBatch],
+            earlier: list[float]) -> tuple[dict, list[float]]:
+    """Trains one configuration; returns its record (times: ``earlier`` rounds' + this one's)
+    and this round's step times."""
     table = dynemb.TableConfig(name="t", dim=args.dim, features=["f"], capacity=args.capacity,
                                optimizer=OPTIMIZERS[args.optimizer](), storage=storage)
     ebc = dynemb.EmbeddingBagCollection([table], device=args.device)
@@ -108,7 +116,7 @@ def run_one(args, storage: dynemb.Storage, data: list[dynemb.SparseBatch]) -> di
     after = t.stats()
     n = len(times)
     lookups = after.lookups - before.lookups
-    s = summary_ms(times)
+    s = summary_ms(times + earlier)
     mem = t.memory_usage()
     rec = {"mode": t.mode.value, "storage_mode_requested": storage.mode.value,
            "cache_load_factor": storage.cache_load_factor,
@@ -124,7 +132,7 @@ def run_one(args, storage: dynemb.Storage, data: list[dynemb.SparseBatch]) -> di
     del ebc, t
     if storage.ddr_path:
         shutil.rmtree(storage.ddr_path, ignore_errors=True)
-    return rec
+    return rec, times
 
 
 def main(argv=None) -> None:
@@ -133,17 +141,21 @@ def main(argv=None) -> None:
     data = batches(args, args.warmup + args.steps)
     ddr_root = args.ddr_dir or Path(tempfile.mkdtemp(prefix="dynemb-storage-modes-"))
     ddr_root.mkdir(parents=True, exist_ok=True)
-    results = []
+    configs = configurations(ddr_root)
+    records: dict[str, dict] = {}
+    times: dict[str, list[float]] = {name: [] for name, _ in configs}
     try:
-        for name, storage in configurations(ddr_root):
-            log(f"storage_modes: {name} ...")
-            rec = run_one(args, storage, data)
-            rec["name"] = name
-            results.append(rec)
-            log(f"  {rec['step_ms']:.1f} ms/step, hbm hit rate {rec['hbm_hit_rate']:.3f}")
+        for r in range(args.rounds):
+            for name, storage in (configs if r % 2 == 0 else configs[::-1]):
+                log(f"storage_modes: round {r + 1}, {name} ...")
+                rec, got = run_one(args, storage, data, times[name])
+                times[name] += got
+                records[name] = {"name": name, **rec}
+                log(f"  {rec['step_ms']:.1f} ms/step, hbm hit rate {rec['hbm_hit_rate']:.3f}")
     finally:
         if args.ddr_dir is None:
             shutil.rmtree(ddr_root, ignore_errors=True)
+    results = [records[name] for name, _ in configs]
     base = results[0]["step_ms"]
     for r in results:
         r["step_ms_vs_hbm_only"] = ratio(r["step_ms"], base)
