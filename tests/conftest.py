@@ -42,3 +42,15 @@ def make_table(backend):
         return dynemb.DynamicTable(_table_config(**kw), backend=backend)
 
     return make
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo group of one rank in this process (skipped if one exists), destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

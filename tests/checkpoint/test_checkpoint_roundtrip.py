@@ -144,17 +144,6 @@ def test_inspect_describes_and_verifies(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
-@pytest.fixture
-def group_of_one():
-    """A gloo group of one rank in this process, destroyed afterwards."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_sharded_collection_at_the_root_and_plain_twin(tmp_path, group_of_one):
     """A sharded collection over one rank (the model itself) and the plain collection share

@@ -29,15 +29,6 @@ def test_shard_needs_an_initialised_group():
         dynemb.distributed.shard(ebc)
 
 
-@pytest.fixture
-def group_of_one():
-    """A gloo group of one rank in this process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _compare(case: H.Case, got: dict, want: dict) -> None:
     for step, (g, w) in enumerate(zip(got["out"], want["out"])):

@@ -136,16 +136,6 @@ def test_changes_right_after_an_export_are_in_the_next_increment(backend, storag
     assert t.export_batch(0, t.capacity(), since_step=mark).keys.tolist() == [100]
 
 
-@pytest.fixture
-def group_of_one():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_shard_a_collection_with_ddr_path(group_of_one, tmp_path):
     cfg = _cfg(_caching(0.2, ddr_path=str(tmp_path)), capacity=256)
