@@ -14,13 +14,16 @@ entry there.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from dynemb.checkpoint.inspect import main as inspect_main
-from dynemb.errors import DynembError
+from dynemb.checkpoint.inspect import describe, verify_all
+from dynemb.checkpoint.manifest import read_manifest
+from dynemb.errors import CheckpointError, DynembError
 from dynemb.train import TrainConfig, format_summary, from_dict, train
 from dynemb.train.config_io import apply_overrides, read_file
 
@@ -86,11 +89,25 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show what a checkpoint holds",
                        description="Show a checkpoint's manifest, per-table and per-rank rows "
                                    "and sizes.")
-    p.add_argument("path", help="a checkpoint directory")
+    p.add_argument("path", type=Path, help="a checkpoint directory")
     p.add_argument("--verify", action="store_true", help="also check every file's sha256")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    p.set_defaults(handler=lambda args: inspect_main(
-        [args.path] + ["--verify"] * args.verify + ["--json"] * args.json))
+    p.set_defaults(handler=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    """Prints what the checkpoint holds; 1 on a bad checkpoint, with the reason on stderr."""
+    try:
+        if args.json:
+            print(json.dumps(read_manifest(args.path), indent=1, sort_keys=True))
+        else:
+            print(describe(args.path))
+        if args.verify:
+            print(f"verified {verify_all(args.path)} files: sizes and sha256 match")
+    except CheckpointError as e:
+        print(f"dynemb inspect: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_train, _add_inspect)

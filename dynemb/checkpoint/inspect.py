@@ -1,17 +1,14 @@
-"""``dynemb inspect PATH``: what a checkpoint holds, read from its manifest (no tensor is loaded).
+"""What a checkpoint holds, read from its manifest (no tensor is loaded): the text of
+``dynemb inspect PATH`` (the command itself is in ``dynemb.cli``).
 
-Prints the header (kind, step, world size, versions), the dense state, and per table its
-configuration summary and a row per rank: rows, table and optimizer steps, files and bytes.
-``--verify`` also checks every file's size and sha256; ``--json`` prints the manifest as is.
+:func:`describe` gives the header (kind, step, world size, versions), the dense state, and per
+table its configuration summary and a row per rank: rows, table and optimizer steps, files and
+bytes. :func:`verify_all` checks every file's size and sha256.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from dynemb.errors import CheckpointError
@@ -97,29 +94,3 @@ def verify_all(path: str | Path) -> int:
     for rel, entry in m["files"].items():
         verify(root, rel, entry)
     return len(m["files"])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``dynemb inspect PATH [--verify] [--json]``; returns the exit status (1 on a bad
-    checkpoint, with the reason on stderr)."""
-    p = argparse.ArgumentParser(prog="dynemb inspect",
-                                description="Show what a dynemb checkpoint holds.")
-    p.add_argument("path", type=Path, help="a checkpoint directory")
-    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    args = p.parse_args(argv)
-    try:
-        if args.json:
-            print(json.dumps(read_manifest(args.path), indent=1, sort_keys=True))
-        else:
-            print(describe(args.path))
-        if args.verify:
-            print(f"verified {verify_all(args.path)} files: sizes and sha256 match")
-    except CheckpointError as e:
-        print(f"dynemb inspect: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from dynemb.config import ScorePolicy
+from dynemb.errors import ConfigError
 from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
 from dynemb.kernels.index_torch import dedup
 from dynemb.table.index import HashIndex
+from dynemb.table.stats import Lookup
 
 if TYPE_CHECKING:
     from dynemb.table.storage import DdrFiles
-    from dynemb.table.table import DynamicTable, Lookup
+    from dynemb.table.table import DynamicTable
 
 
 class Cache:
@@ -59,8 +61,6 @@ class Cache:
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                 custom: torch.Tensor, keep_evicted: bool) -> Lookup:
         """``DynamicTable._resolve`` for a CACHING table (``table.step`` already advanced)."""
-        from dynemb.table.table import Lookup
-
         t, cx, bx = self.table, self.index, self.backing
         step, c = t.step, t._counters
         cs = cx.backend.find(cx, keys, custom, self.policy, step, touch, True)
@@ -98,7 +98,7 @@ class Cache:
                     if bool(by.any()):
                         bx.backend.find(bx, mkeys[by], mcustom[by] if mcustom.numel() else mcustom,
                                         t._policy, step, True, False)
-        return self._finish(keys, cs, miss, bs, inserted, evicted, failed, Lookup)
+        return self._finish(keys, cs, miss, bs, inserted, evicted, failed)
 
     def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor):
         """Inserts new keys into the backing store. Cached rows are pinned there, so a bucket
@@ -127,7 +127,7 @@ class Cache:
         self._drop_slots(victims, write_back=True)
         return victims.numel() > 0
 
-    def _finish(self, keys, cs, miss, bs, inserted, evicted, failed, lookup_class) -> Lookup:
+    def _finish(self, keys, cs, miss, bs, inserted, evicted, failed) -> Lookup:
         """Releases the pins of both indexes and numbers the entries by row id."""
         t, cx, bx = self.table, self.index, self.backing
         rid = cs
@@ -147,7 +147,7 @@ class Cache:
             inverse, unique_rids, unique_pos = dedup(rid)
         if failed:
             t._on_full(failed)
-        return lookup_class(unique_keys=keys[unique_pos], unique_slots=unique_rids,
+        return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_rids,
                             inverse=inverse, inserted=inserted, evicted=evicted, epoch=t._epoch)
 
     def _fetch(self, mkeys: torch.Tensor, bs: torch.Tensor, existed: torch.Tensor,
@@ -310,8 +310,6 @@ class Cache:
 
     def reopened(self, header: dict) -> None:
         """Checks a reopened backing store's header against this table and restores its steps."""
-        from dynemb.errors import ConfigError
-
         want = {k: v for k, v in self.header().items() if k not in ("step", "optimizer_step")}
         found = {k: header.get(k) for k in want}
         if found != want:

@@ -9,6 +9,24 @@ import torch
 from dynemb.errors import InputError
 
 
+@dataclass
+class Lookup:
+    """One resolved lookup: N key occurrences mapped onto U unique entries.
+
+    ``unique_slots[u]`` is the global row id of entry u (see ``dynemb.table.memory.Layout``), or
+    -1 (no row: eval mode, not admitted, failed); every occurrence without a row is its own
+    entry. ``epoch`` is the table's eviction epoch after the lookup: if it changed by backward,
+    rows are located again by key.
+    """
+
+    unique_keys: torch.Tensor
+    unique_slots: torch.Tensor
+    inverse: torch.Tensor
+    inserted: torch.Tensor | None
+    evicted: Evicted
+    epoch: int
+
+
 @dataclass(frozen=True)
 class FindResult:
     """``values`` (N, dim): the row of each key, or the eval initializer where ``found`` (N,) is

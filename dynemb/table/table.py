@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +21,7 @@ from dynemb.table.checks import TableChecks
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import MemoryUsage, TierMemory, storage_layout
 from dynemb.table.stats import (
-    EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, TableStats,
+    EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, Lookup, TableStats,
 )
 from dynemb.table.storage import DdrFiles, RowStore
 
@@ -33,24 +32,6 @@ POLICY_CODES = {ScorePolicy.LRU: P_LRU, ScorePolicy.LFU: P_LFU, ScorePolicy.STEP
 def canonical_device(device: torch.device | str | None) -> torch.device:
     """``device`` as tensors report it ("cuda" becomes "cuda:0"), default CPU."""
     return torch.empty(0, device=device or "cpu").device
-
-
-@dataclass
-class Lookup:
-    """One resolved lookup: N key occurrences mapped onto U unique entries.
-
-    ``unique_slots[u]`` is the global row id of entry u (see ``dynemb.table.memory.Layout``), or
-    -1 (no row: eval mode, not admitted, failed); every occurrence without a row is its own
-    entry. ``epoch`` is the table's eviction epoch after the lookup: if it changed by backward,
-    rows are located again by key.
-    """
-
-    unique_keys: torch.Tensor
-    unique_slots: torch.Tensor
-    inverse: torch.Tensor
-    inserted: torch.Tensor | None
-    evicted: Evicted
-    epoch: int
 
 
 def _mix(init: Initializer, name: str) -> int:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import dynemb
 from dynemb import checkpoint
+from dynemb.cli import main as cli_main
 from dynemb.checkpoint import inspect, reader, writer
 
 import _models as M
@@ -135,12 +136,12 @@ def test_inspect_describes_and_verifies(tmp_path, capsys):
     assert "kind full, step 3, world size 1" in text
     assert "table 'sparse/a': dim 4, optimizer Adam(" in text and "routing hash_roundrobin" in text
     assert f"total {rows_a:,} rows" in text
-    assert inspect.main([str(tmp_path / "ck"), "--verify"]) == 0
+    assert cli_main(["inspect", str(tmp_path / "ck"), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified" in out and "table 'sparse/b'" in out
-    assert inspect.main([str(tmp_path / "ck"), "--json"]) == 0
+    assert cli_main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 3
-    assert inspect.main([str(tmp_path / "nothing")]) == 1
+    assert cli_main(["inspect", str(tmp_path / "nothing")]) == 1
     assert "not a directory" in capsys.readouterr().err
 
 

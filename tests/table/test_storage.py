@@ -4,6 +4,7 @@ write-back, flush and reopening a memory-mapped backing store; per-tier stats an
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -205,7 +206,6 @@ def test_flush_then_reopen_finds_every_row(backend, tmp_path):
     keys, emb, state, scores = _export(t)
     with pytest.raises(ConfigError, match="already holds"):
         dynemb.DynamicTable(cfg, backend=backend)
-    import dataclasses
     reopened = dynemb.DynamicTable(
         dataclasses.replace(cfg, storage=dataclasses.replace(storage, reopen=True)),
         backend=backend)
