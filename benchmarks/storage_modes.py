@@ -129,6 +129,7 @@ def run_one(args, storage: dynemb.Storage, data: list[dynemb.SparseBatch],
            "write_backs_per_step": (after.write_backs - before.write_backs) / n,
            "table_evictions": after.evicted, "rows": after.size, "hbm_rows": after.hbm_rows,
            "hbm_bytes": mem.hbm_bytes, "ddr_bytes": mem.ddr_bytes}
+    ebc.close()  # releases a ddr store (its files are removed next)
     del ebc, t
     if storage.ddr_path:
         shutil.rmtree(storage.ddr_path, ignore_errors=True)

@@ -8,8 +8,8 @@ effects (no logging setup, no environment changes, no CUDA initialisation).
 from dynemb import errors
 from dynemb.batch import EMPTY_KEY, SparseBatch
 from dynemb.config import (
-    SGD, Adagrad, Adam, Admission, Initializer, InitKind, OnFull, OptimizerConfig, PoolingMode,
-    Routing, RowWiseAdagrad, ScorePolicy, Storage, StorageMode, TableConfig,
+    SGD, Adagrad, Adam, Admission, Initializer, InitKind, NonFinite, OnFull, OptimizerConfig,
+    PoolingMode, Routing, RowWiseAdagrad, ScorePolicy, Storage, StorageMode, TableConfig,
 )
 from dynemb.nn import EmbeddingBagCollection, EmbeddingCollection, JaggedEmbeddings, KeyedEmbeddings
 from dynemb.table import (
@@ -24,7 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "EMPTY_KEY", "SGD", "Adagrad", "Adam", "Admission", "DynamicTable", "EmbeddingBagCollection",
     "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",
-    "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "OnFull",
+    "InsertResult", "JaggedEmbeddings", "KeyedEmbeddings", "MemoryUsage", "NonFinite",
+    "OnFull",
     "OptimizerConfig", "PoolingMode", "Routing", "RowWiseAdagrad", "ScorePolicy", "SparseBatch",
     "Storage", "StorageMode", "TableConfig", "TableStats", "TierMemory", "checkpoint",
     "distributed", "errors",

@@ -31,6 +31,35 @@ def check_keys(keys: torch.Tensor, where: str) -> None:
                          "among the ids; map it to another id before lookup.")
 
 
+def check_lengths(lengths: torch.Tensor, n: int, where: str,
+                  features: Sequence[str] | None = None) -> None:
+    """Raises InputError unless every bag length is in ``[0, n]`` and they sum to ``n`` ids.
+
+    Each length's range is checked before summing: int64 lengths such as ``[2**62, 2**62,
+    2**62, 2**62 + 5]`` wrap around to a sum of 5, and a kernel trusting them would read far
+    outside the ids. ``features`` (F names, lengths feature-major F·B) only names the culprit.
+    """
+    if lengths.numel() == 0:
+        total, approx = 0, 0.0
+    else:
+        bad = torch.nonzero((lengths < 0) | (lengths > n)).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            at = f"entry {i}"
+            if features:
+                batch = lengths.numel() // len(features)
+                at = f"feature {features[i // batch]!r}, sample {i % batch}"
+            raise InputError(f"{where}: {at}: length {int(lengths[i])}; expected a length in "
+                             f"[0, {n}] (the number of ids) for every bag.")
+        total, approx = int(lengths.sum()), float(lengths.sum(dtype=torch.float64))
+    # Each term is in [0, n]: an int64 sum that wrapped means a true sum >= 2**63 > 1.5 n + 1,
+    # which the float64 sum (relative error far below 1/3 here) cannot hide.
+    if total != n or approx > 1.5 * n + 1:
+        shown = total if approx <= 1.5 * n + 1 else f"about {approx:.4g}"
+        raise InputError(f"{where}: lengths sum to {shown} but there are {n} ids; expected "
+                         "them equal.")
+
+
 class SparseBatch:
     """Jagged ids of F features for a batch of B samples.
 
@@ -70,18 +99,8 @@ class SparseBatch:
             raise InputError(f"SparseBatch: lengths has {lengths.numel()} entries, expected a "
                              f"multiple of the {len(names)} features (F·B, feature-major).")
         check_keys(values, "SparseBatch.values")
-        batch = lengths.numel() // len(names)
-        per_sample = lengths.view(len(names), batch)
-        for f, name in enumerate(names):
-            neg = per_sample[f] < 0
-            if bool(neg.any()):
-                b = int(torch.nonzero(neg)[0])
-                raise InputError(f"SparseBatch: feature {name!r}, sample {b}: negative length "
-                                 f"{int(per_sample[f, b])}; lengths must be >= 0.")
-        total = int(lengths.sum())
-        if total != values.numel():
-            raise InputError(f"SparseBatch: lengths sum to {total} but there are {values.numel()} "
-                             "values; expected them equal.")
+        check_lengths(lengths, values.numel(), "SparseBatch", names)
+        per_sample = lengths.view(len(names), lengths.numel() // len(names))
         if weights is not None:
             self._validate_weights(weights, per_sample)
 
@@ -92,13 +111,14 @@ class SparseBatch:
         if weights.shape != self.values.shape:
             raise InputError(f"SparseBatch: weights have shape {tuple(weights.shape)}, expected "
                              f"{tuple(self.values.shape)} (one per id).")
-        bad = ~torch.isfinite(weights)
+        bad = ~torch.isfinite(weights.to(torch.float32))  # finite as the kernels use them
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             ends = torch.cumsum(per_sample.sum(dim=1), 0)
             f = int(torch.searchsorted(ends, torch.tensor(i, device=ends.device), right=True))
             raise InputError(f"SparseBatch: feature {self.features[f]!r}: weight {i} is "
-                             f"{float(weights[i])}; weights must be finite.")
+                             f"{float(weights[i])}; weights must be finite as float32 (at most "
+                             "about 3.4e38 in magnitude).")
 
     @classmethod
     def from_dict(cls, ids: Mapping[str, Sequence[Sequence[int]]],

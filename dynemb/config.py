@@ -56,13 +56,34 @@ class Routing(str, enum.Enum):
 class OnFull(str, enum.Enum):
     """What a lookup does when a key cannot get a row (full bucket, no eviction possible).
 
-    RAISE: raise :class:`CapacityError`. WARN: log a warning, count it in ``TableStats``, and give
-    the key its eval-initializer row without updates. COUNT: the same without the warning.
+    RAISE: raise :class:`CapacityError`; the call is atomic and changes nothing in the table (no
+    row inserted, evicted or assigned, no score touched, no admission counted; only
+    ``TableStats.failed_inserts`` counts the failure). WARN: log a warning, count it in
+    ``TableStats``, and give the key its eval-initializer row without updates; the call completes
+    and returns every row it evicted. COUNT: the same without the warning.
     """
 
     RAISE = "raise"
     WARN = "warn"
     COUNT = "count"
+
+
+class NonFinite(str, enum.Enum):
+    """What a table's fused optimizer does with a row whose summed gradient holds NaN or inf.
+
+    SKIP (the default): leave that row (and its optimizer state) as it was, update the others, and
+    count the row in ``TableStats.nonfinite_grads``. RAISE: count them, update nothing in the
+    table, and raise :class:`InputError` naming the table, its optimizer step and the count (a
+    sharded table checks every shard first: every rank raises and no rank updates the table).
+    APPLY: apply the update as computed (the row and its state become NaN/inf; counted too).
+    Gradients are judged as float32, the dtype rows are updated in. Whatever the choice, the
+    ``max_grad_norm`` clipping norm counts finite rows only, so one bad row cannot switch
+    clipping off for the others.
+    """
+
+    RAISE = "raise"
+    SKIP = "skip"
+    APPLY = "apply"
 
 
 class StorageMode(str, enum.Enum):
@@ -258,9 +279,11 @@ class Storage:
     ddr_path: str | None = None
     """A directory for the ddr tier's memory-mapped files (``<table>.ddr.*``), so a table can
     outgrow RAM; None keeps the ddr tier in memory. Sharded tables use ``rank<r>/`` under it."""
-    reopen: bool = False
-    """CACHING with ``ddr_path``: open the backing store a previous table left there (after its
-    ``flush()``) instead of refusing to overwrite it."""
+    reopen: bool | str = False
+    """CACHING with ``ddr_path``: ``True`` opens the backing store a previous table closed cleanly
+    there (``close()``, or interpreter exit) and refuses a torn one (a crash after it was opened);
+    ``"auto"`` reopens a cleanly closed store, else creates a new one (never reusing a torn one);
+    ``False`` creates a new store and refuses to overwrite existing files."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, StorageMode):
@@ -286,8 +309,8 @@ class Storage:
             if self.effective_mode == StorageMode.HBM_ONLY:
                 _fail("Storage", "ddr_path", self.ddr_path, "None when there is no ddr tier "
                       f"(mode {self.mode.name}, cache_load_factor {self.cache_load_factor})")
-        if not isinstance(self.reopen, bool):
-            _fail("Storage", "reopen", self.reopen, "True or False")
+        if not (isinstance(self.reopen, bool) or self.reopen == "auto"):
+            _fail("Storage", "reopen", self.reopen, "True, False or 'auto'")
         if self.reopen and (self.effective_mode != StorageMode.CACHING or self.ddr_path is None):
             _fail("Storage", "reopen", self.reopen, "False unless mode=CACHING with a ddr_path "
                   "and cache_load_factor < 1 (only a CACHING backing store holds every row)")
@@ -336,6 +359,9 @@ class TableConfig:
     one bucket of the next power of two, at least 8)."""
     storage: Storage = field(default_factory=Storage)
     """Storage tiers: HBM_ONLY (the default), HYBRID or CACHING (see :class:`Storage`)."""
+    nonfinite: NonFinite = NonFinite.SKIP
+    """Rows whose gradient holds NaN or inf: SKIP their update (counted), RAISE, or APPLY it
+    (see :class:`NonFinite`; the strings "skip", "raise", "apply" are accepted)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -355,9 +381,14 @@ class TableConfig:
         b = self.bucket_capacity
         if not _is_int(b) or b < 8 or b & (b - 1) or b > 1024:
             _fail(owner, "bucket_capacity", b, "a power of two in [8, 1024]")
+        if isinstance(self.nonfinite, str) and not isinstance(self.nonfinite, NonFinite):
+            if self.nonfinite not in {m.value for m in NonFinite}:
+                _fail(owner, "nonfinite", self.nonfinite, "one of 'skip', 'raise', 'apply'")
+            object.__setattr__(self, "nonfinite", NonFinite(self.nonfinite))
         checks = (("optimizer", OptimizerConfig), ("score", ScorePolicy),
                   ("pooling", PoolingMode), ("initializer", Initializer),
                   ("eval_initializer", Initializer), ("on_full", OnFull), ("routing", Routing),
+                  ("nonfinite", NonFinite),
                   ("storage", Storage))
         for name, kind in checks:
             if not isinstance(getattr(self, name), kind):

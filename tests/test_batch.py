@@ -160,6 +160,43 @@ def test_negative_length_names_feature_and_sample():
     assert "-1" in str(e.value)
 
 
+@pytest.mark.parametrize("lengths, culprit", [
+    ([2**62, 2**62, 2**62, 2**62 + 3], "'a', sample 0: length 4611686018427387904"),
+    ([-(2**63), 2**63 - 1, 4], "'a', sample 0: length -9223372036854775808"),
+    ([1, 4, -2], "'a', sample 1: length 4"),
+    ([3, 2**63 - 1, 2**63 - 1, 2], "'a', sample 1: length 9223372036854775807"),
+])
+def test_lengths_whose_sum_wraps_around_to_n_are_refused(lengths, culprit):
+    """int64 lengths summing to N only modulo 2**64 once crashed the process (SIGSEGV) in the
+    kernels that trust them: every length must be in [0, N] before anything is summed."""
+    with _raises(culprit + r"; expected a length in \[0, 3\]") as e:
+        SparseBatch(features=["a"], values=i64(1, 2, 3), lengths=i64(*lengths))
+    _check_input_error(e)
+
+
+def test_check_lengths_catches_a_wrapped_sum_of_in_range_lengths():
+    """Lengths each within [0, n] can still wrap around when n is huge (checked with an n no
+    real batch reaches: five lengths of 2**62 sum to 2**62 modulo 2**64)."""
+    from dynemb.batch import check_lengths
+
+    n = 2**62
+    with _raises("about 2.306e") as e:
+        check_lengths(i64(*[n] * 5), n, "here")
+    _check_input_error(e)
+    check_lengths(i64(n // 2, n // 2), n, "here")
+
+
+def test_a_module_refuses_lengths_changed_after_construction():
+    """The module re-checks a batch's lengths against its ids (a SparseBatch is mutable)."""
+    ebc = dynemb.EmbeddingBagCollection(
+        [dynemb.TableConfig(name="t", dim=2, features=["a"], capacity=16)])
+    b = SparseBatch(features=["a"], values=i64(1, 2, 3), lengths=i64(1, 1, 1, 0))
+    b.lengths.copy_(i64(2**62, 2**62, 2**62, 2**62 + 3))
+    with _raises("no longer match") as e:
+        ebc(b)
+    _check_input_error(e)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.float32, torch.float64,
                                    torch.bool])
 def test_non_int64_ids(dtype):
@@ -220,6 +257,18 @@ def test_weights_of_non_float_dtype(dtype):
         SparseBatch(features=["a"], values=i64(1, 2), lengths=i64(2),
                     weights=torch.tensor([1, 0], dtype=dtype))
     _check_input_error(e)
+
+
+@pytest.mark.parametrize("big", [1e300, -1e39, 3.5e38])
+def test_float64_weights_that_overflow_float32_are_refused(big):
+    """The kernels use float32 weights: a float64 weight finite only in float64 would become
+    inf there."""
+    with _raises(r"'b'.*finite as float32") as e:
+        SparseBatch(features=["a", "b"], values=i64(1, 2), lengths=i64(1, 1),
+                    weights=torch.tensor([0.5, big], dtype=torch.float64))
+    _check_input_error(e)
+    ok = torch.tensor([0.5, 3.4e38], dtype=torch.float64)  # rounds to float32's largest
+    SparseBatch(features=["a", "b"], values=i64(1, 2), lengths=i64(1, 1), weights=ok)
 
 
 def test_float64_weights_are_accepted():

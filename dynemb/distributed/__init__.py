@@ -24,6 +24,7 @@ from dynemb.distributed.routing import (
 )
 from dynemb.distributed.sequence import ShardedEmbeddingCollection
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats, max_over_mean
+from dynemb.errors import DynembError
 from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection
 
 
@@ -33,9 +34,12 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
 
     Collective: every rank calls it with a collection of the same table configs (checked; a
     difference raises ConfigError on every rank, naming the table and field). Each rank builds a
-    shard of ``ceil(capacity / W)`` rows per table, on the collection's device and kernel
-    backend, and in its train/eval mode. The source collection's tables are not used afterwards
-    (drop it to free them).
+    shard of ``ceil(capacity / W)`` rows per table from the collection's configs, on its device
+    and kernel backend, and in its train/eval mode; a failure to build them (e.g. a ddr store
+    that cannot be created) raises on every rank. A collection's tables are built only when
+    first used, so sharding a fresh one never allocates them: each rank's peak memory is its
+    shards'. If they were built already (still empty), they are closed and their ddr files
+    removed.
 
     Args:
         module: an :class:`~dynemb.EmbeddingBagCollection` or :class:`~dynemb.EmbeddingCollection`
@@ -47,11 +51,12 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     Returns:
         A :class:`ShardedEmbeddingBagCollection` or :class:`ShardedEmbeddingCollection`.
     """
-    world_size, _ = group_size_rank(group)
+    world_size, rank = group_size_rank(group)
     kinds = {EmbeddingBagCollection: ShardedEmbeddingBagCollection,
              EmbeddingCollection: ShardedEmbeddingCollection}
     cls = next((v for k, v in kinds.items() if isinstance(module, k)), None)
-    filled = [] if cls is None else [t.name for t in module.tables.values() if t.size() > 0]
+    built = cls is not None and module.built  # a fresh collection has not allocated its tables
+    filled = [t.name for t in module.tables.values() if t.size() > 0] if built else []
     if cls is None:  # raised together: a lone rank raising here would leave the others waiting
         problem = ("dynemb.distributed.shard: expected an EmbeddingBagCollection or "
                    f"EmbeddingCollection, found {type(module).__name__}.")
@@ -62,13 +67,21 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     else:
         problem = None
     raise_together(problem, world_size, group)
-    tables = list(module.tables.values())
-    backend = tables[0].backend.name
-    for t in tables:  # the shards map their own files (<ddr_path>/rank<r> over several ranks)
-        t.close(delete_files=True)
-    sharded = cls([t.config for t in tables], group=group, device=module.device, backend=backend,
-                  log_every=log_every)
+    if built:  # the shards map their own files (<ddr_path>/rank<r> over several ranks)
+        module.close(delete_files=True)
+    sharded = cls(list(module.configs), group=group, device=module.device,
+                  backend=module.backend_name, log_every=log_every)
     sharded.train(module.training)
+    problem = None
+    try:  # build the shards now, on every rank, so a rank that cannot fails them all here
+        sharded.tables
+    except DynembError as e:
+        problem = f"dynemb.distributed.shard: rank {rank} could not build its shards: {e}"
+    try:
+        raise_together(problem, world_size, group)
+    except DynembError:
+        sharded.local.close(delete_files=True)
+        raise
     return sharded
 
 

@@ -1,28 +1,29 @@
 """What the sharded collections share: the process group, the local shards, the input
-distribution (route, dedup, header, id all-to-all), misuse checks and the load counters."""
+distribution (route, dedup, header, id all-to-all), the step and phase checks, misuse checks,
+peer loss, and the load counters."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dynemb.batch import SparseBatch
-from dynemb.config import TableConfig
+from dynemb.config import NonFinite, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, payload_size
 from dynemb.distributed.routing import shard_config
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats
 from dynemb.distributed.owner import OwnerTable, Scratch
 from dynemb.errors import ConfigError, DynembError, InputError
+from dynemb.optim.rules import clip_scale
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
-_BUILT = 0
-"""Sharded collections built by this process so far (part of each one's header digest)."""
 
 
 @dataclass
@@ -38,6 +39,8 @@ class InputDist:
     flags: int
     """This rank's flags (``comm.F_*``); the training and grad bits agree on every rank."""
     pending: comm.Pending
+    step: int
+    """The collection's forward call this input belongs to (1, 2, ...; the same on every rank)."""
 
     def wait(self) -> InputDist:
         """Blocks until the ids have arrived; returns self (``pooled(input_dist(b).wait())``)."""
@@ -90,7 +93,9 @@ class ShardedCollection(torch.nn.Module):
         self.group = group
         self.world_size, self.rank = comm.group_size_rank(group)
         kind = type(self).__name__
-        comm.check_same_configs(tables, self.world_size, self.rank, kind, group)
+        # the ranks agree the collection's identity (it tells apart two collections with equal
+        # tables in the per-step header) while they check the configs: nothing per process
+        identity = comm.check_same_configs(tables, self.world_size, self.rank, kind, group)
         self.local = self.local_class([shard_config(c, self.world_size, self.rank) for c in tables],
                                       device=device, backend=backend)
         self.configs: tuple[TableConfig, ...] = tuple(tables)
@@ -98,11 +103,11 @@ class ShardedCollection(torch.nn.Module):
         self.comm_device = comm.comm_device(group, self.device)
         self.feature_names: tuple[str, ...] = self.local.feature_names
         self.log_every = log_every
-        # every rank builds its sharded collections in the same order (construction is
-        # collective), so the build index tells apart two collections with equal tables
-        global _BUILT
-        _BUILT += 1
-        self._digest = comm.config_digest(tables, self.world_size, f"{kind}#{_BUILT}")
+        self._digest = comm.config_digest(tables, self.world_size, f"{kind}#{identity}")
+        self._calls = 0
+        """Forward calls that passed the header check (a step; the number in the headers)."""
+        self._lost: str | None = None
+        """Why the group is unusable (a peer lost), once a collective failed in the transport."""
         self._anchor = torch.zeros(0, requires_grad=True)
         self._steps = 0
         self._received = [[0, 0] for _ in tables]  # per table: ids, unique keys
@@ -125,8 +130,11 @@ class ShardedCollection(torch.nn.Module):
         all-to-all that also checks every rank agrees), and starts the id all-to-all.
 
         Collective: every rank calls it once per step. Train/eval and grad mode are taken now.
+        The header carries this rank's step (its forward calls that passed this check, plus
+        one): ranks at different steps or phases (one skipped a backward, say) raise
+        DynembError on every rank, and a call refused here on every rank is not counted.
         """
-        self._check_world()
+        self._check_usable()
         status, error, requests = comm.STATUS_OK, None, []
         try:  # any local failure is announced in the header, so no rank waits for this one
             self._check_batch(batch)
@@ -136,9 +144,13 @@ class ShardedCollection(torch.nn.Module):
         flags = self._flags(batch if error is None else None)
         zero = [[(0, 0, 0)] * self.world_size for _ in self.configs]
         counts = [req.counts() for req in requests] if error is None else zero
-        headers = comm.exchange_headers(status, flags, self._digest, self.world_size, counts,
-                                        self.group, self.comm_device)
+        step = self._calls + 1
+        with self.transport(comm.step_name(comm.PHASE_FORWARD, step), "header exchange"):
+            headers = comm.exchange_headers(
+                (status, flags, self._digest, self.world_size, comm.PHASE_FORWARD, step),
+                self.world_size, counts, self.group, self.comm_device)
         self._check_headers(headers, error)
+        self._calls = step  # a call refused at the header (on every rank alike) is not a step
         recv = [[payload_size(self.pooled_kind, *headers.counts[r][t],
                               bool(headers.flags(r) & comm.F_WEIGHTED),
                               counts_occurrences(c, bool(flags & comm.F_TRAINING)))
@@ -146,9 +158,42 @@ class ShardedCollection(torch.nn.Module):
         like = torch.empty(0, dtype=torch.int64, device=self.comm_device)
         send, splits = comm.pack([(req.payload, req.payload_splits) for req in requests],
                                  self.world_size, like)
-        pending = self.all_to_all(send, splits, [sum(row) for row in recv])
+        with self.transport(comm.step_name(comm.PHASE_FORWARD, step), "id all-to-all"):
+            pending = self.all_to_all(send, splits, [sum(row) for row in recv])
         return InputDist(batch=batch, requests=requests, headers=headers, recv_sizes=recv,
-                         flags=flags, pending=pending)
+                         flags=flags, pending=pending, step=step)
+
+    def check_backward(self, inp: InputDist) -> None:
+        """Collective, first thing in backward: a header exchange of the forward header's size
+        saying "backward of step n", so a rank that skipped this backward (and is already in
+        the next forward's header) meets a header, not the gradient all-to-all, and every rank
+        raises DynembError naming it instead of gloo aborting on mismatched sizes."""
+        self._check_usable()
+        zero = [[(0, 0, 0)] * self.world_size for _ in self.configs]
+        with self.transport(comm.step_name(comm.PHASE_BACKWARD, inp.step), "header exchange"):
+            headers = comm.exchange_headers(
+                (comm.STATUS_OK, inp.flags, self._digest, self.world_size, comm.PHASE_BACKWARD,
+                 inp.step), self.world_size, zero, self.group, self.comm_device)
+        self._check_same_point(headers)
+
+    @contextlib.contextmanager
+    def transport(self, point: str, stage: str) -> Iterator[None]:
+        """Turns a transport failure inside (a peer gone, a timeout) into a DynembError that
+        says which rank vanished (see :func:`comm.peer_loss_message`); later calls raise it
+        again at once (the group cannot be used any more)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not comm.is_transport_error(e):
+                raise
+            self._lost = comm.peer_loss_message(f"{type(self).__name__} (rank {self.rank})",
+                                                f"{point} ({stage})", e, self.group)
+            raise DynembError(self._lost) from e
+
+    def _check_usable(self) -> None:
+        if self._lost is not None:
+            raise DynembError(f"an earlier collective of this collection failed: {self._lost}")
+        self._check_world()
 
     def _plan(self, config: TableConfig, batch: SparseBatch) -> TableRequest:
         raise NotImplementedError
@@ -184,13 +229,7 @@ class ShardedCollection(torch.nn.Module):
         """Raises the same kind of error on every rank when any rank cannot go on."""
         name = type(self).__name__
         rows = headers.rows
-        other = [r for r, row in enumerate(rows) if row[comm.H_DIGEST] != self._digest
-                 or row[comm.H_WORLD] != self.world_size]
-        if other:
-            raise ConfigError(f"{name} (rank {self.rank}): rank(s) {other} called another sharded "
-                              "collection (other tables, kind or world size) in the same "
-                              "collective; call the sharded modules in the same order on every "
-                              "rank (and build them in the same order).")
+        self._check_same_point(headers)
         bad = [r for r, row in enumerate(rows) if row[comm.H_STATUS] != comm.STATUS_OK]
         if bad:
             if error is not None:
@@ -206,24 +245,78 @@ class ShardedCollection(torch.nn.Module):
                              f"mode (by rank: {desc}); call .train()/.eval() and torch.no_grad() "
                              "alike on every rank.")
 
+    def _check_same_point(self, headers: comm.Headers) -> None:
+        """Every rank called this collection (digest, world size) at the same step and phase."""
+        name, rows = f"{type(self).__name__} (rank {self.rank})", headers.rows
+        other = [r for r, row in enumerate(rows) if row[comm.H_DIGEST] != self._digest
+                 or row[comm.H_WORLD] != self.world_size]
+        if other:
+            raise ConfigError(f"{name}: rank(s) {other} called another sharded collection (other "
+                              "tables, kind or world size) in the same collective; call the "
+                              "sharded modules in the same order on every rank (and build them "
+                              "in the same order).")
+        points: dict[tuple[int, int], list[int]] = {}
+        for r, row in enumerate(rows):
+            points.setdefault((row[comm.H_PHASE], row[comm.H_STEP]), []).append(r)
+        if len(points) > 1:
+            raise DynembError(f"{name}: the ranks are at different steps of this collection: "
+                              + _describe_points(points) + ". Every rank must call forward and "
+                              "backward through the collection the same number of times, in the "
+                              "same order; a rank whose loss does not use the output still needs "
+                              "its backward (add 0 * output.sum() to its loss, say).")
+
     # ------------------------------------------------------------------ collectives, counters
 
     def apply_optimizers(self, owners: list[OwnerTable], grads: list[torch.Tensor]) -> None:
-        """Applies each table's fused optimizer once; tables with ``max_grad_norm`` are clipped
-        by the gradient norm over all shards (one all_reduce for all of them)."""
+        """Applies each table's fused optimizer once. One all_reduce serves two checks that need
+        every shard: tables with ``max_grad_norm`` are clipped by the norm of their finite
+        gradient rows over all shards, and tables with ``nonfinite=RAISE`` count their NaN/inf
+        gradient rows per rank; if any rank saw one, every rank raises before updating any table
+        (see :meth:`_raise_nonfinite`)."""
         clipped = [t for t, o in enumerate(owners)
                    if o.table.config.optimizer.max_grad_norm is not None]
-        if clipped:
-            norms = torch.stack([owners[t].grad_norm_sq(grads[t]) for t in clipped])
-            norms = norms.to(self.comm_device)
-            dist.all_reduce(norms, group=self.group, async_op=True).wait()
-            for t, total_sq in zip(clipped, norms.tolist()):
-                max_norm = owners[t].table.config.optimizer.max_grad_norm
-                scale = max_norm / (total_sq ** 0.5 + 1e-6)
+        strict = [t for t, o in enumerate(owners) if o.table.config.nonfinite == NonFinite.RAISE]
+        if clipped or strict:
+            sums = torch.zeros(len(clipped) + len(strict) * self.world_size, dtype=torch.float64)
+            for i, t in enumerate(clipped):
+                sums[i] = owners[t].grad_norm_sq(grads[t])
+            for i, t in enumerate(strict):
+                bad = owners[t].table.gradient_rows(owners[t].lookup, grads[t].float())[1]
+                sums[len(clipped) + i * self.world_size + self.rank] = bad
+            sums = sums.to(self.comm_device)
+            with self.transport("backward", "all_reduce of clipping norms and non-finite counts"):
+                dist.all_reduce(sums, group=self.group, async_op=True).wait()
+            sums = sums.cpu()
+            bad = sums[len(clipped):].view(len(strict), self.world_size)
+            if bool((bad > 0).any()):
+                self._raise_nonfinite(owners, grads, strict, bad)
+            for t, total_sq in zip(clipped, sums[:len(clipped)].tolist()):
+                scale = clip_scale(owners[t].table.config.optimizer.max_grad_norm, total_sq)
                 if scale < 1.0:
                     grads[t].mul_(scale)
         for o, g in zip(owners, grads):  # already clipped by the global norm above
             o.table.apply_gradients(o.lookup, g, clip=False)
+
+    def _raise_nonfinite(self, owners: list[OwnerTable], grads: list[torch.Tensor],
+                         strict: list[int], bad: torch.Tensor) -> None:
+        """Every rank raises, having updated no table: a rank whose shard holds NaN/inf gradient
+        rows raises that table's own error (counting them in its stats), the others an
+        InputError naming the tables and ranks. (All ranks stop after the same collectives.)"""
+        first: Exception | None = None
+        for i, t in enumerate(strict):
+            if bad[i, self.rank] > 0:
+                try:
+                    owners[t].table.apply_gradients(owners[t].lookup, grads[t], clip=False)
+                except InputError as e:  # nonfinite RAISE: counted, nothing updated
+                    first = first or e
+        if first is not None:
+            raise first
+        seen = {owners[t].table.name: [r for r in range(self.world_size) if bad[i, r] > 0]
+                for i, t in enumerate(strict) if bool((bad[i] > 0).any())}
+        raise InputError(f"{type(self).__name__} (rank {self.rank}): gradient rows with NaN or "
+                         f"inf on other ranks (table: ranks {seen}); no table was updated on any "
+                         "rank this step (TableConfig.nonfinite='raise'; see the error raised "
+                         "on those ranks).")
 
     def resolve_owners(self, inp: InputDist, parse) -> list[OwnerTable]:
         """This rank's owner lookups for one step (``parse(t, config, counts, chunks)`` gives
@@ -234,7 +327,9 @@ class ShardedCollection(torch.nn.Module):
         all-to-all; one small all-reduce of a failure flag lets every rank raise instead of
         leaving the others hanging. The failing rank raises its own error.
         """
-        received = inp.received()
+        point = comm.step_name(comm.PHASE_FORWARD, inp.step)
+        with self.transport(point, "id all-to-all"):
+            received = inp.received()
         error: Exception | None = None
         owners: list[OwnerTable] = []
         try:
@@ -247,7 +342,8 @@ class ShardedCollection(torch.nn.Module):
             error = e
         flag = torch.tensor([0 if error is None else self.rank + 1], dtype=torch.int64,
                             device=self.comm_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True).wait()
+        with self.transport(point, "owner lookup check"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True).wait()
         failed = int(flag[0]) - 1
         if error is not None:
             raise error
@@ -258,6 +354,15 @@ class ShardedCollection(torch.nn.Module):
         self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
                      for o in owners])
         return owners
+
+    def exchange_floats(self, parts, recv: list[list[int]], phase: int, step: int,
+                        what: str) -> torch.Tensor:
+        """One float32 all-to-all of per-table (flat tensor, elements per rank) ``parts`` at
+        ``phase`` of ``step``, receiving ``recv[t][r]`` elements; the result on ``device``."""
+        like = torch.empty(0, dtype=torch.float32, device=self.comm_device)
+        flat, splits = comm.pack(parts, self.world_size, like)
+        with self.transport(comm.step_name(phase, step), f"{what} all-to-all"):
+            return self.all_to_all(flat, splits, [sum(row) for row in recv]).wait().to(self.device)
 
     def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int],
                    recv_splits: Sequence[int]) -> comm.Pending:
@@ -286,7 +391,9 @@ class ShardedCollection(torch.nn.Module):
                 for v in (*acc, self.tables[c.name].size())] + [self._bytes_sent]
         send = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
         out = [torch.empty_like(send) for _ in range(self.world_size)]
-        dist.all_gather(out, send, group=self.group, async_op=True).wait()
+        self._check_usable()
+        with self.transport(f"routing_stats after step {self._calls}", "all-gather"):
+            dist.all_gather(out, send, group=self.group, async_op=True).wait()
         rows = [o.tolist() for o in out]
         tables = {c.name: TableRoutingStats(
             ids_received=tuple(row[3 * t] for row in rows),
@@ -300,3 +407,15 @@ class ShardedCollection(torch.nn.Module):
         """Restarts the received-id and byte counters (rows stored are always current)."""
         self._steps, self._bytes_sent = 0, 0
         self._received = [[0, 0] for _ in self.configs]
+
+
+def _describe_points(points: dict[tuple[int, int], list[int]]) -> str:
+    """``"rank 0 at backward of step 3, rank 1 at forward of step 4 (rank 1 called forward
+    again without the backward of step 3)"``."""
+    text = ", ".join(f"{comm.ranks_text(ranks)} at {comm.step_name(phase, step)}"
+                     for (phase, step), ranks in sorted(points.items(), key=lambda kv: kv[1]))
+    for (phase, step), ranks in points.items():
+        if phase == comm.PHASE_FORWARD and (comm.PHASE_BACKWARD, step - 1) in points:
+            text += (f" ({comm.ranks_text(ranks)} called forward again without the backward of "
+                     f"step {step - 1})")
+    return text

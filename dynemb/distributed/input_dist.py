@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dynemb.batch import SparseBatch
+from dynemb.batch import SparseBatch, check_lengths
 from dynemb.config import ScorePolicy, TableConfig
 from dynemb.distributed.routing import route_table
-from dynemb.errors import InputError
 
 
 def counts_occurrences(config: TableConfig, training: bool) -> bool:
@@ -87,9 +86,9 @@ def table_ids(config: TableConfig, batch: SparseBatch, device: torch.device
     parts = [batch.feature(f) for f in config.features]
     keys = torch.cat([p[0] for p in parts]).to(device)
     lengths = torch.cat([p[1] for p in parts]).to(device=device, dtype=torch.int64)
-    if lengths.numel() and (int(lengths.sum()) != keys.numel() or int(lengths.min()) < 0):
-        raise InputError(f"table {config.name!r}: the batch's lengths no longer match its ids "
-                         "(was the SparseBatch changed after it was built?); build a new one.")
+    check_lengths(lengths, keys.numel(), f"table {config.name!r}: the batch's lengths no "
+                  "longer match its ids (was the SparseBatch changed after it was built? build "
+                  "a new one)")
     weights = None
     if batch.weights is not None:
         weights = torch.cat([p[2] for p in parts]).detach().to(device=device, dtype=torch.float32)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dynemb.distributed.input_dist import counts_occurrences
+from dynemb.optim.rules import grad_norm_sq
 from dynemb.table.table import DynamicTable, Lookup
 
 
@@ -178,6 +179,7 @@ class OwnerTable:
         return grads.index_add_(0, self.entry, grad_rows.to(torch.float32))
 
     def grad_norm_sq(self, grads: torch.Tensor) -> torch.Tensor:
-        """Squared L2 norm (float64 scalar) of the gradient rows that will update a row."""
-        valid = self.table.current_slots(self.lookup) >= 0
-        return grads[valid].double().pow(2).sum()
+        """Squared L2 norm (float64 scalar) of the finite gradient rows that will update a row
+        (rows with NaN or inf never count, whatever ``TableConfig.nonfinite`` does with them)."""
+        rids, _ = self.table.gradient_rows(self.lookup, grads)
+        return grad_norm_sq(grads, rids >= 0)

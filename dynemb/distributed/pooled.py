@@ -3,17 +3,18 @@
 One step (per forward, all tables together, so each stage is one collective):
 
 1. ``input_dist``: route and deduplicate ids per (table, owner); header all-to-all (split sizes,
-   flags, config digest); id all-to-all (unique keys, touched-bag lengths, per-id indices and
-   weights).
+   flags, config digest, step and phase); id all-to-all (unique keys, touched-bag lengths,
+   per-id indices and weights).
 2. owners: one lookup per table over every requester's keys; one pooling kernel call over every
    requester's touched bags -> partial SUMs.
 3. output all-to-all of the partials; the requester sums the partials of each bag (in owner
    order), divides MEAN bags by their original length, and lays out (B, Σ F·dim).
 
-Backward: the requester scales (MEAN) and gathers the gradient of each touched bag and sends it
-to its owner; the owner's pooling backward sums it per unique key across requesters (and yields
-the per-id weight gradients, sent back to the requesters that asked for them); the fused
-optimizer runs once per table (gradient clipping uses the norm over all shards).
+Backward: a header all-to-all ("backward of step n": every rank is at the same point before any
+gradient moves); the requester scales (MEAN) and gathers the gradient of each touched bag and
+sends it to its owner; the owner's pooling backward sums it per unique key across requesters
+(and yields the per-id weight gradients, sent back to the requesters that asked for them); the
+fused optimizer runs once per table (gradient clipping uses the norm over all shards).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class _PooledStep:
         parts = [(o.pool(keep), [n * o.table.dim for n in o.received.touched_splits])
                  for o in self.owners]
         recv = [[req.touched_counts[r] * req.config.dim for req in reqs] for r in range(w)]
-        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_FORWARD, "output"), recv)
         outs = [self._assemble(req, got[t].view(-1, req.config.dim))
                 for t, req in enumerate(reqs)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -83,6 +84,7 @@ class _PooledStep:
         """Sends bag gradients to owners, applies the optimizers, returns the (N,) gradient of
         the batch's weights (None unless this rank asked for it)."""
         m, inp, w = self.module, self.inp, self.module.world_size
+        m.check_backward(inp)
         parts, col = [], 0
         for req in inp.requests:
             num_features, dim = len(req.config.features), req.config.dim
@@ -93,11 +95,14 @@ class _PooledStep:
             parts.append((g[req.touched_bags], [n * dim for n in req.touched_counts]))
         recv = [[o.received.touched_splits[r] * o.table.dim for o in self.owners]
                 for r in range(w)]
-        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_BACKWARD, "gradient"),
+                                 recv)
         any_wgrad = inp.any_wants_wgrad
         results = [o.pooled_grads(got[t].view(-1, o.table.dim), any_wgrad)
                    for t, o in enumerate(self.owners)]
-        m.apply_optimizers(self.owners, [g for g, _ in results])
+        point = comm.step_name(comm.PHASE_BACKWARD, inp.step)
+        with m.transport(point, "optimizer all-reduce"):
+            m.apply_optimizers(self.owners, [g for g, _ in results])
         if not any_wgrad:
             return None
         return self._weight_grads([wg for _, wg in results])
@@ -114,7 +119,8 @@ class _PooledStep:
                           [n if want else 0 for n, want in zip(o.received.occ_splits, wants)]))
         mine = wants[self.module.rank]
         recv = [[req.occ_counts[r] if mine else 0 for req in inp.requests] for r in range(w)]
-        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        flat = self._exchange(parts, recv, comm.PHASE_BACKWARD, "weight-gradient")
+        got = comm.unpack_tables(flat, recv)
         if not mine:
             return None
         batch = inp.batch
@@ -131,12 +137,8 @@ class _PooledStep:
                 lo += n
         return out
 
-    def _exchange(self, parts, recv: list[list[int]]) -> torch.Tensor:
-        """One float32 all-to-all of per-table (flat tensor, elements per rank) parts."""
-        like = torch.empty(0, dtype=torch.float32, device=self.module.comm_device)
-        flat, splits = comm.pack(parts, self.module.world_size, like)
-        return self.module.all_to_all(flat, splits, [sum(row) for row in recv]).wait() \
-            .to(self.module.device)
+    def _exchange(self, parts, recv: list[list[int]], phase: int, what: str) -> torch.Tensor:
+        return self.module.exchange_floats(parts, recv, phase, self.inp.step, what)
 
 
 def _feature_starts(batch: SparseBatch) -> dict[str, int]:

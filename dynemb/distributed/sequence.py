@@ -3,7 +3,8 @@
 One step: route and deduplicate ids per (table, owner); header and key all-to-alls; the owner
 runs one lookup per table over every requester's keys and returns the rows of the keys each
 requester asked for (an all-to-all of (U, dim) rows); the requester expands them to one row per
-id. Backward sends the (U, dim) gradients back; the owner sums them per key across requesters and
+id. Backward exchanges a header ("backward of step n", checked like the forward one), then sends
+the (U, dim) gradients back; the owner sums them per key across requesters and
 applies the fused optimizer once.
 """
 
@@ -39,24 +40,25 @@ class _RowsStep:
                  for o in self.owners]
         recv = [[req.unique_counts[r] * req.config.dim for req in reqs]
                 for r in range(self.module.world_size)]
-        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_FORWARD, "row"), recv)
         return tuple(got[t].view(-1, req.config.dim) for t, req in enumerate(reqs))
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         """Sends each table's (U, dim) gradient to the owners, which apply the optimizers."""
+        self.module.check_backward(self.inp)
         parts = [(g.to(torch.float32), [n * req.config.dim for n in req.unique_counts])
                  for g, req in zip(grads, self.inp.requests)]
         recv = [[o.received.unique_splits[r] * o.table.dim for o in self.owners]
                 for r in range(self.module.world_size)]
-        got = comm.unpack_tables(self._exchange(parts, recv), recv)
+        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_BACKWARD, "gradient"),
+                                 recv)
         summed = [o.row_grads(got[t].view(-1, o.table.dim)) for t, o in enumerate(self.owners)]
-        self.module.apply_optimizers(self.owners, summed)
+        point = comm.step_name(comm.PHASE_BACKWARD, self.inp.step)
+        with self.module.transport(point, "optimizer all-reduce"):
+            self.module.apply_optimizers(self.owners, summed)
 
-    def _exchange(self, parts, recv: list[list[int]]) -> torch.Tensor:
-        m = self.module
-        like = torch.empty(0, dtype=torch.float32, device=m.comm_device)
-        flat, splits = comm.pack(parts, m.world_size, like)
-        return m.all_to_all(flat, splits, [sum(row) for row in recv]).wait().to(m.device)
+    def _exchange(self, parts, recv: list[list[int]], phase: int, what: str) -> torch.Tensor:
+        return self.module.exchange_floats(parts, recv, phase, self.inp.step, what)
 
 
 class _ShardedRowsFn(torch.autograd.Function):

@@ -3,6 +3,11 @@
 ``NUMBA`` runs the compiled CPU kernels on zero-copy numpy views of CPU tensors; ``TORCH`` runs
 the vectorised torch twins (any device). Tables pick one by device (``backend_for``); tests run
 both against the same models.
+
+Index operations: ``find(ix, keys, custom, policy, step, touch, pin, prev=None)`` (``prev``: an
+(N,) int64 journal of the scores it touched), ``restore_scores(ix, slots, prev)`` (undoes those
+touches), ``insert(ix, keys, custom, policy, step, atomic=False)`` (``atomic``: every key is
+placed or nothing changes), ``finish``, ``unpin``, ``erase``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels import rows_torch as rto
 
 _NO_QUANTILES = torch.zeros(2, dtype=torch.float32)
+_NO_PREV = torch.empty(0, dtype=torch.int64)
 INIT_CODES = {
     InitKind.NORMAL: rnb.INIT_NORMAL,
     InitKind.TRUNCATED_NORMAL: rnb.INIT_TRUNCATED_NORMAL,
@@ -47,22 +53,26 @@ class NumbaBackend:
 
     name = "numba"
 
-    def find(self, ix, keys, custom, policy, step, touch, pin):
+    def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
         slots = torch.empty_like(keys)
         inb.find_pass(_np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
                       _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, touch, pin,
-                      _np(slots))
+                      _np(slots), _np(_NO_PREV if prev is None else prev))
         return slots
 
-    def insert(self, ix, keys, custom, policy, step):
+    def restore_scores(self, ix, slots, prev):
+        inb.restore_scores(_np(slots), _np(prev), _np(ix.scores))
+
+    def insert(self, ix, keys, custom, policy, step, atomic=False):
         n = keys.numel()
         slots = torch.empty_like(keys)
         inserted = torch.zeros(n, dtype=torch.bool)
         ev_keys, ev_slots, ev_scores = (torch.empty_like(keys) for _ in range(3))
         n_ev = inb.insert_pass(
             _np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
-            _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, _np(slots),
-            _np(inserted), _np(ev_keys), _np(ev_slots), _np(ev_scores), _np(ix.counts))
+            _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, atomic,
+            _np(slots), _np(inserted), _np(ev_keys), _np(ev_slots), _np(ev_scores),
+            _np(ix.counts))
         return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
 
     def finish(self, ix, slots):
@@ -113,11 +123,14 @@ class TorchBackend:
 
     name = "torch"
 
-    def find(self, ix, keys, custom, policy, step, touch, pin):
-        return ito.find_pass(ix, keys, custom, policy, step, touch, pin)
+    def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
+        return ito.find_pass(ix, keys, custom, policy, step, touch, pin, prev)
 
-    def insert(self, ix, keys, custom, policy, step):
-        return ito.insert_pass(ix, keys, custom, policy, step)
+    def restore_scores(self, ix, slots, prev):
+        ito.restore_scores(ix, slots, prev)
+
+    def insert(self, ix, keys, custom, policy, step, atomic=False):
+        return ito.insert_pass(ix, keys, custom, policy, step, atomic)
 
     def finish(self, ix, slots):
         return ito.finish(ix, slots)

@@ -14,6 +14,10 @@ also pins, with PIN_CACHED, the rows its cache holds).
 single-tier index passes ``split = num_buckets``.
 
 Counts are added to ``counts`` (int64): see the ``C_*`` indices.
+
+All or nothing (a table with ``on_full`` RAISE): :func:`find_pass` can journal the score each
+touched slot had (``prev``; :func:`restore_scores` undoes the touches) and :func:`insert_pass`
+with ``atomic`` restores every slot it wrote if any key fails, so a failing call changes nothing.
 """
 
 from __future__ import annotations
@@ -79,17 +83,31 @@ def _touch(iscores, s, policy, step, custom, i):
 
 @njit(cache=True)
 def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
-              touch, pin, out_slots):
+              touch, pin, out_slots, prev):
     """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
-    per occurrence; with ``pin`` found slots are pinned for the rest of the lookup."""
+    per occurrence; with ``pin`` found slots are pinned for the rest of the lookup. ``prev``
+    (N,) or empty: when given, ``prev[i]`` = the score slot ``out_slots[i]`` had just before
+    occurrence i touched it (so :func:`restore_scores` can undo the touches)."""
+    journal = prev.shape[0] > 0
     for i in range(keys.shape[0]):
         s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, split, bmask)
         out_slots[i] = s
         if s >= 0:
             if touch:
+                if journal:
+                    prev[i] = iscores[s]
                 _touch(iscores, s, policy, step, custom, i)
             if pin and pins[s] == PIN_FREE:
                 pins[s] = PIN_HELD
+
+
+@njit(cache=True)
+def restore_scores(slots, prev, iscores):
+    """Undoes a :func:`find_pass` that touched scores (``prev`` its journal): last occurrence
+    first, so each slot ends with the score it had before the pass."""
+    for i in range(slots.shape[0] - 1, -1, -1):
+        if slots[i] >= 0:
+            iscores[slots[i]] = prev[i]
 
 
 @njit(cache=True, inline="always")
@@ -120,23 +138,40 @@ def _lowest_unpinned(iscores, pins, base, width, policy, step):
 
 @njit(cache=True)
 def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
-                out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
+                atomic, out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
     """Inserts keys that were missing (duplicates allowed: later ones find the first).
 
     ``out_slots[i]`` = the key's slot, or -1 when it could not get one (no free slot and nothing
     evictable, or a CUSTOM score below the bucket's lowest). Evicted (key, slot, score) triples
     are written to ``ev_*``; returns how many.
+
+    ``atomic``: if any occurrence fails, every slot the pass wrote is restored (key, digest,
+    score, pin, in reverse order), nothing is counted, ``inserted`` is all False and 0 is
+    returned; ``out_slots`` then marks the failing occurrences with -1 (its other entries are
+    meaningless). Keys are processed exactly as without ``atomic`` until then.
     """
     width = bmask + 1
+    n = keys.shape[0]
     n_ev = 0
     n_ins = 0
     n_fail = 0
     n_new = 0
-    for i in range(keys.shape[0]):
+    nj = n if atomic else 0
+    j_slot = np.empty(nj, np.int64)
+    j_key = np.empty(nj, np.int64)
+    j_score = np.empty(nj, np.int64)
+    j_dig = np.empty(nj, np.uint8)
+    j_pin = np.empty(nj, np.int32)
+    n_j = 0
+    for i in range(n):
         k = keys[i]
         s, free, base, d = _probe(ikeys, dig, k, num_buckets, split, bmask)
         if s >= 0:
             out_slots[i] = s
+            if atomic:
+                j_slot[n_j], j_key[n_j], j_score[n_j] = s, ikeys[s], iscores[s]
+                j_dig[n_j], j_pin[n_j] = dig[s], pins[s]
+                n_j += 1
             _touch(iscores, s, policy, step, custom, i)
             continue
         if policy == P_LFU:
@@ -162,6 +197,10 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
             free = best
         else:
             n_new += 1
+        if atomic:
+            j_slot[n_j], j_key[n_j], j_score[n_j] = free, ikeys[free], iscores[free]
+            j_dig[n_j], j_pin[n_j] = dig[free], pins[free]
+            n_j += 1
         ikeys[free] = k
         dig[free] = d
         iscores[free] = score
@@ -169,6 +208,13 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
         out_slots[i] = free
         inserted[i] = True
         n_ins += 1
+    if atomic and n_fail > 0:
+        for j in range(n_j - 1, -1, -1):
+            s = j_slot[j]
+            ikeys[s], iscores[s], dig[s], pins[s] = j_key[j], j_score[j], j_dig[j], j_pin[j]
+        for i in range(n):
+            inserted[i] = False
+        return 0
     counts[C_INSERTED] += n_ins
     counts[C_EVICTED] += n_ev
     counts[C_FAILED] += n_fail

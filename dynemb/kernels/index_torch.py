@@ -39,15 +39,27 @@ def _touch(ix, slots: torch.Tensor, custom: torch.Tensor, policy: int, step: int
         ix.scores[slots] = custom
 
 
-def find_pass(ix, keys, custom, policy: int, step: int, touch: bool, pin: bool) -> torch.Tensor:
+def find_pass(ix, keys, custom, policy: int, step: int, touch: bool, pin: bool,
+              prev: torch.Tensor | None = None) -> torch.Tensor:
+    """Slot of each key or -1 (touching and pinning as asked). ``prev`` (N,): when given, the
+    score each found slot had before this pass is written there (see :func:`restore_scores`)."""
     _, slots = _locate(ix, keys)
     hit = slots >= 0
     found = slots[hit]
     if touch:
+        if prev is not None:
+            prev[hit] = ix.scores[found]
         _touch(ix, found, custom[hit] if custom.numel() else custom, policy, step)
     if pin:
         ix.pins[found] = torch.where(ix.pins[found] == PIN_FREE, PIN_HELD, ix.pins[found])
     return slots
+
+
+def restore_scores(ix, slots: torch.Tensor, prev: torch.Tensor) -> None:
+    """Undoes a :func:`find_pass` that touched scores: ``prev`` holds each found slot's score
+    from before the pass (the same value for every occurrence of a slot)."""
+    hit = slots >= 0
+    ix.scores[slots[hit]] = prev[hit]
 
 
 def _first_occurrence_unique(keys: torch.Tensor):
@@ -95,9 +107,13 @@ def _custom_victims(which, rank, score_o, cand_slots, cand_kind, scores, slot_o,
     return slot_o, evict
 
 
-def insert_pass(ix, keys, custom, policy: int, step: int):
+def insert_pass(ix, keys, custom, policy: int, step: int, atomic: bool = False):
     """Inserts missing keys (duplicates allowed). Returns (slots (N,), inserted (N,) bool,
-    evicted keys, evicted slots, evicted scores)."""
+    evicted keys, evicted slots, evicted scores).
+
+    ``atomic``: if any occurrence would fail, nothing is written or counted: ``inserted`` is all
+    False, no evictions, and ``slots`` marks the failing occurrences with -1 (its other entries
+    are meaningless). Everything is decided before the first write, so that is a check."""
     dev = keys.device
     uk, inv, cnt, first = _first_occurrence_unique(keys)
     if policy == P_LFU:
@@ -128,6 +144,12 @@ def insert_pass(ix, keys, custom, policy: int, step: int):
                                         slot_o, evict)
         victim = ix.scores[slot_o]
     take = (kind_o == 0) | evict
+    if atomic and not bool(take.all()):
+        slot_u = torch.full_like(uk, -1)
+        slot_u[order] = torch.where(take, slot_o, -1)
+        none = keys[:0]
+        return (slot_u[inv], torch.zeros(keys.numel(), dtype=torch.bool, device=dev),
+                (none, none, none))
     ev_slots = slot_o[evict]
     ev = (ix.keys[ev_slots].clone(), ev_slots, victim[evict].clone())
     put = slot_o[take]

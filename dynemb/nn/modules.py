@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynemb.batch import SparseBatch
+from dynemb.batch import SparseBatch, check_lengths
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
+from dynemb.kernels.backend import backend_for
+from dynemb.table.memory import storage_layout
 from dynemb.table.table import DynamicTable, Lookup, canonical_device
 
 
@@ -163,6 +165,9 @@ class JaggedEmbeddings:
 
 
 class _Collection(torch.nn.Module):
+    """What both collections share: the configs (checked when built), the tables, built on
+    first use (:attr:`tables`), and the batch checks."""
+
     def __init__(self, tables: Sequence[TableConfig], *, device: torch.device | str | None = None,
                  backend: str | None = None) -> None:
         super().__init__()
@@ -181,10 +186,45 @@ class _Collection(torch.nn.Module):
                                       f"{owner[f]!r} and {t.name!r}; a feature has one table.")
                 owner[f] = t.name
         self.device = canonical_device(device)
-        self.tables: dict[str, DynamicTable] = {
-            t.name: DynamicTable(t, device=self.device, backend=backend) for t in tables}
+        self.backend_name: str = backend_for(self.device, backend).name
+        for t in tables:  # what building would refuse about the geometry, refused now
+            storage_layout(t.capacity, t.bucket_capacity, t.storage.mode,
+                           t.storage.cache_load_factor)
+        self.configs: tuple[TableConfig, ...] = tuple(tables)
         self.feature_names: tuple[str, ...] = tuple(f for t in tables for f in t.features)
+        self._tables: dict[str, DynamicTable] | None = None
         self._anchor = torch.zeros(0, requires_grad=True)
+
+    @property
+    def tables(self) -> dict[str, DynamicTable]:
+        """The tables by name. They are built (their memory allocated, their ddr files created
+        or reopened) on first use, here or in ``forward``: a collection that is only sharded
+        (``dynemb.distributed.shard``) never allocates its full-size tables."""
+        if self._tables is None:
+            self._tables = self._build()
+        return self._tables
+
+    @property
+    def built(self) -> bool:
+        """Whether the tables exist yet (see :attr:`tables`)."""
+        return self._tables is not None
+
+    def _build(self) -> dict[str, DynamicTable]:
+        tables: dict[str, DynamicTable] = {}
+        try:
+            for c in self.configs:
+                tables[c.name] = DynamicTable(c, device=self.device, backend=self.backend_name)
+        except BaseException:
+            for t in tables.values():  # release the stores of the ones already built
+                t.close(delete_files=True)
+            raise
+        return tables
+
+    def close(self, *, delete_files: bool = False) -> None:
+        """Closes the tables built so far (``DynamicTable.close``: flushes and releases their
+        ddr stores, marking them cleanly closed; nothing to do for tables without files)."""
+        for t in (self._tables or {}).values():
+            t.close(delete_files=delete_files)
 
     def _check_batch(self, batch: SparseBatch) -> None:
         if not isinstance(batch, SparseBatch):
@@ -199,9 +239,9 @@ class _Collection(torch.nn.Module):
         keys = torch.cat([p[0] for p in parts]).to(self.device)
         lengths = torch.cat([p[1] for p in parts]).to(self.device, torch.int64).contiguous()
         weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
-        if lengths.numel() and (int(lengths.sum()) != keys.numel() or int(lengths.min()) < 0):
-            raise InputError(f"table {table.name!r}: the batch's lengths no longer match its ids "
-                             "(was the SparseBatch changed after it was built?); build a new one.")
+        check_lengths(lengths, keys.numel(), f"table {table.name!r}: the batch's lengths no "
+                      "longer match its ids (was the SparseBatch changed after it was built? "
+                      "build a new one)")
         return keys, lengths, weights
 
 

@@ -29,6 +29,24 @@ def state_width(config: OptimizerConfig, dim: int) -> int:
     raise ConfigError(f"optimizer: expected SGD, Adagrad, RowWiseAdagrad or Adam, found {kind.__name__}.")
 
 
+def grad_norm_sq(grads: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm (float64 scalar tensor) of the rows of ``grads`` (U, dim) that are
+    ``valid`` (U,) bool and finite: a row holding NaN or inf never enters a clipping norm (it is
+    skipped, refused or applied as it is, by ``TableConfig.nonfinite``), so it cannot turn the
+    norm into NaN and switch clipping off for the finite rows."""
+    rows = grads[valid].double()
+    total = rows.pow(2).sum()  # finite float32 values cannot overflow this float64 sum
+    if bool(torch.isfinite(total)):
+        return total
+    return rows[torch.isfinite(rows).all(dim=1)].pow(2).sum()
+
+
+def clip_scale(max_norm: float, norm_sq: float) -> float:
+    """The factor (at most 1) that brings a gradient of squared norm ``norm_sq`` to
+    ``max_norm``; 1.0 when it is already within."""
+    return min(1.0, max_norm / (math.sqrt(norm_sq) + 1e-6))
+
+
 class RowOptimizer:
     """Applies one optimizer config to rows; counts its own global step (Adam, Adagrad decay)."""
 
@@ -41,13 +59,12 @@ class RowOptimizer:
         self.step = 0
 
     def clip(self, grads: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """``grads`` scaled so the L2 norm of its valid rows is at most max_grad_norm (a new
-        tensor when scaled: the caller's stays as it was)."""
+        """``grads`` scaled so the L2 norm of its valid, finite rows is at most max_grad_norm
+        (a new tensor when scaled: the caller's stays as it was)."""
         max_norm = self.config.max_grad_norm
         if max_norm is None:
             return grads
-        total = torch.linalg.vector_norm(grads[valid].double())
-        scale = max_norm / (float(total) + 1e-6)
+        scale = clip_scale(max_norm, float(grad_norm_sq(grads, valid)))
         return grads * scale if scale < 1.0 else grads
 
     def apply(self, parts, grads: torch.Tensor, *, clip: bool = True) -> None:
@@ -57,8 +74,8 @@ class RowOptimizer:
             parts: ``(backend, rows, slots)`` per row store (a table's tiers): ``slots`` (U,)
                 int64 rows of ``rows`` to update, -1 where the entry is not in that store.
             grads: (U, dim) float32 summed gradient per entry, shared by the parts.
-            clip: clip to ``max_grad_norm`` first (a sharded table is clipped over all shards
-                before this call and passes False).
+            clip: clip to ``max_grad_norm`` first, by the norm of the rows it updates (a
+                sharded table is clipped over all shards before this call and passes False).
         """
         self.step += 1
         c, t = self.config, self.step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.config import Admission
-from dynemb.kernels.index_numba import C_EVICTED, P_LFU, P_NO_EVICTION
+from dynemb.kernels.index_numba import C_EVICTED, C_FAILED, P_LFU, P_NO_EVICTION
 from dynemb.errors import CapacityError, InputError
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import COUNTER_BUCKET, index_geometry
@@ -15,37 +15,49 @@ _NO_SCORES = torch.empty(0, dtype=torch.int64)
 
 class AdmissionFilter:
     """Counts occurrences of keys without a row; admits a key once its count reaches the
-    threshold (and forgets it then). When the counter table is full, its least-counted key that
-    this call did not touch is evicted (counted in ``counter_evictions``); a key that finds no
-    room at all is judged on its occurrences in the call alone."""
+    threshold (and forgets it then).
+
+    A call first judges its keys (:meth:`judge`, which changes nothing) and, once it has
+    succeeded, records what happened (:meth:`record`). Sightings can be forgotten in exactly
+    two places, both counted: when the counter table is full, its least-counted key that this
+    call did not touch is evicted (its count is lost: ``counter_evictions`` keys, their counts
+    in ``forgotten_sightings``); a key that finds no room at all (every slot of its bucket holds
+    a key of this call) is judged on its occurrences in the call alone, which are then not
+    remembered (``counter_overflows`` occurrences, also in ``forgotten_sightings``)."""
 
     def __init__(self, config: Admission, device: torch.device, backend) -> None:
         self.threshold = config.threshold
         self.index = HashIndex(*index_geometry(config.counter_capacity, COUNTER_BUCKET), device,
                                backend)
         self._no_scores = _NO_SCORES.to(device)
+        self.forgotten_sightings = 0
+        """Sightings dropped: counts of evicted counters plus ``counter_overflows``."""
 
-    def admit(self, keys: torch.Tensor) -> torch.Tensor:
-        """Counts every occurrence in ``keys`` (N,) int64; returns the (N,) bool mask of
-        occurrences whose key reached the threshold."""
+    def judge(self, keys: torch.Tensor) -> torch.Tensor:
+        """The (N,) bool mask of occurrences in ``keys`` (N,) int64 whose key's count (its
+        counter plus its occurrences in ``keys``) reaches the threshold. Changes nothing."""
+        slots = self.index.find(keys)
+        stored = torch.where(slots >= 0, self.index.scores[slots.clamp(min=0)], 0)
+        _, inv, occurrences = torch.unique(keys, return_inverse=True, return_counts=True)
+        return stored + occurrences[inv] >= self.threshold
+
+    def record(self, keys: torch.Tensor, got_row: torch.Tensor) -> None:
+        """After a call: forgets the counters of the keys whose occurrences in ``keys`` (N,)
+        got a row (``got_row`` (N,) bool) and counts every other occurrence (an admitted key
+        that found no row in a full table stays admissible)."""
         ix, be = self.index, self.index.backend
-        slots = be.find(ix, keys, self._no_scores, P_LFU, 0, True, True)
+        if bool(got_row.any()):
+            be.erase(ix, torch.unique(keys[got_row]))
+        rest = keys[~got_row]
+        if rest.numel() == 0:
+            return
+        slots = be.find(ix, rest, self._no_scores, P_LFU, 0, True, True)
         miss = slots < 0
         if bool(miss.any()):
-            new_slots, _, _ = be.insert(ix, keys[miss], self._no_scores, P_LFU, 0)
+            new_slots, _, (_, _, ev_scores) = be.insert(ix, rest[miss], self._no_scores, P_LFU, 0)
             slots[miss] = new_slots
+            self.forgotten_sightings += int(ev_scores.sum()) + int((new_slots < 0).sum())
         be.unpin(ix, slots)
-        counted = slots >= 0
-        counts = torch.zeros_like(keys)
-        counts[counted] = ix.scores[slots[counted]]
-        if not bool(counted.all()):  # no room in the counter table: count this call's occurrences
-            _, inv, occurrences = torch.unique(keys[~counted], return_inverse=True,
-                                               return_counts=True)
-            counts[~counted] = occurrences[inv]
-        admitted = counts >= self.threshold
-        if bool(admitted.any()):
-            be.erase(ix, torch.unique(keys[admitted]))
-        return admitted
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys (K,), counts (K,)) int64 of every key being counted."""
@@ -68,20 +80,27 @@ class AdmissionFilter:
         keys = keys.to(ix.keys.device, torch.int64)
         slots = be.find(ix, keys, self._no_scores, P_NO_EVICTION, 0, False, True)
         miss = slots < 0
-        if bool(miss.any()):  # never evicts: a key without a free slot fails
-            new_slots, fresh, _ = be.insert(ix, keys[miss], self._no_scores, P_NO_EVICTION, 0)
+        if bool(miss.any()):  # never evicts, all or nothing: a key without a free slot fails
+            new_slots, _, _ = be.insert(ix, keys[miss], self._no_scores, P_NO_EVICTION, 0, True)
+            failed = int((new_slots < 0).sum())
+            if failed:
+                be.unpin(ix, slots)
+                raise CapacityError(f"admission counters: {failed} keys do not fit the counter "
+                                    f"table of {ix.num_slots} slots without evicting; nothing was "
+                                    "loaded. Raise Admission.counter_capacity.")
             slots[miss] = new_slots
         be.unpin(ix, slots)
-        if bool(miss.any()) and bool((new_slots < 0).any()):
-            be.erase(ix, keys[miss][fresh])  # roll back
-            raise CapacityError(f"admission counters: {int((new_slots < 0).sum())} keys do not "
-                                f"fit the counter table of {ix.num_slots} slots without evicting; "
-                                "nothing was loaded. Raise Admission.counter_capacity.")
         ix.scores[slots] = counts.to(ix.scores)
 
     @property
     def counter_evictions(self) -> int:
+        """Keys whose counter was evicted to make room for another's."""
         return self.index.count(C_EVICTED)
+
+    @property
+    def counter_overflows(self) -> int:
+        """Occurrences of keys that found no room in the counter table (not remembered)."""
+        return self.index.count(C_FAILED)
 
     def size(self) -> int:
         return self.index.size()

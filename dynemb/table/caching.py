@@ -59,11 +59,17 @@ class Cache:
     # ------------------------------------------------------------------ lookups
 
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
-                custom: torch.Tensor, keep_evicted: bool) -> Lookup:
-        """``DynamicTable._resolve`` for a CACHING table (``table.step`` already advanced)."""
+                custom: torch.Tensor, keep_evicted: bool, saved: tuple | None) -> Lookup:
+        """``DynamicTable._resolve`` for a CACHING table (``table.step`` already advanced).
+
+        ``saved`` (an atomic call: ``on_full`` RAISE): the table's step and counters before the
+        call; if a new key cannot get a backing row, every change is undone and the call raises.
+        Until then the call has only touched (journaled) and pinned, and possibly moved cached
+        rows of full buckets to the backing store (their contents unchanged)."""
         t, cx, bx = self.table, self.index, self.backing
         step, c = t.step, t._counters
-        cs = cx.backend.find(cx, keys, custom, self.policy, step, touch, True)
+        prev = torch.empty_like(keys) if saved is not None and touch else None
+        cs = cx.backend.find(cx, keys, custom, self.policy, step, touch, True, prev)
         miss = torch.nonzero(cs < 0).flatten()
         if touch:
             c["hbm_hits"] += keys.numel() - miss.numel()
@@ -82,15 +88,23 @@ class Cache:
                 c["ddr_misses"] += int((~existed).sum())
             base = torch.where(existed, bx.scores[bs.clamp(min=0)], 0)  # scores before this call
             if insert:
-                new = t._admitted(mkeys, torch.nonzero(~existed).flatten(), admit)
+                absent = torch.nonzero(~existed).flatten()
+                new = t._admitted(mkeys, absent, admit)
                 if new.numel():
                     slots, fresh, ev = self._backing_insert(
-                        mkeys[new], mcustom[new] if mcustom.numel() else mcustom)
+                        mkeys[new], mcustom[new] if mcustom.numel() else mcustom, saved is not None)
+                    failed = int((slots < 0).sum())
+                    if failed and saved is not None:
+                        bx.backend.unpin(bx, bs)
+                        if prev is not None:
+                            cx.backend.restore_scores(cx, cs, prev)
+                        cx.backend.unpin(cx, cs)
+                        t._refuse(failed, saved)
                     evicted = t._take_evicted(*ev, with_rows=keep_evicted)
                     t._init_rows(bx, slots[fresh], mkeys[new][fresh].to(t.device))
                     bs[new] = slots
                     inserted[miss[new.to(t.device)]] = fresh.to(t.device)
-                    failed = int((slots < 0).sum())
+                t._record_admission(mkeys, absent, bs, admit)
                 placed = self._fetch(mkeys, bs, existed, base, mcustom, lookup=True)
                 cs[miss] = placed.to(t.device)
                 if touch:  # occurrences served from the backing store touch its scores
@@ -100,15 +114,18 @@ class Cache:
                                         t._policy, step, True, False)
         return self._finish(keys, cs, miss, bs, inserted, evicted, failed)
 
-    def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor):
+    def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor, atomic: bool):
         """Inserts new keys into the backing store. Cached rows are pinned there, so a bucket
         whose rows are all cached refuses new keys: then the cached rows homed in the refusing
         buckets that this call does not use leave the cache (written back), and the refused
-        keys are inserted again, evicting by score like any full bucket."""
+        keys are inserted again, evicting by score like any full bucket. ``atomic``: each
+        attempt places every key or changes nothing (the second attempt retries them all)."""
         t, bx = self.table, self.backing
-        slots, fresh, ev = bx.backend.insert(bx, keys, custom, t._policy, t.step)
+        slots, fresh, ev = bx.backend.insert(bx, keys, custom, t._policy, t.step, atomic)
         fail = torch.nonzero(slots < 0).flatten()
         if fail.numel() and t._policy != P_NO_EVICTION and self._release(keys[fail]):
+            if atomic:
+                return bx.backend.insert(bx, keys, custom, t._policy, t.step, True)
             again, fresh2, ev2 = bx.backend.insert(
                 bx, keys[fail], custom[fail] if custom.numel() else custom, t._policy, t.step)
             slots[fail], fresh[fail] = again, fresh2

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from typing import NoReturn
 
 import torch
 
 from dynemb.batch import check_keys
 from dynemb.config import OnFull, ScorePolicy
-from dynemb.errors import CapacityError, InputError
+from dynemb.errors import CapacityError, ConfigError, InputError
 
 logger = logging.getLogger("dynemb.table.table")
 
@@ -16,7 +18,17 @@ logger = logging.getLogger("dynemb.table.table")
 class TableChecks:
     """Input validation and the ``on_full`` policy of a :class:`~dynemb.DynamicTable`."""
 
+    def _refuse(self, failed: int, saved: tuple[int, Counter]) -> NoReturn:
+        """Raises for an atomic call (``on_full`` RAISE) whose insert kernel could not place
+        ``failed`` occurrences and changed nothing: the caller has undone its touches and pins;
+        this restores the step and counters ``saved`` before the call, then counts the failure."""
+        self.step, self._counters = saved
+        self._on_full(failed)
+        raise AssertionError("unreachable: on_full RAISE raises")  # pragma: no cover
+
     def _on_full(self, failed: int) -> None:
+        """Counts ``failed`` occurrences that got no row; raises (RAISE: the call was atomic and
+        changed nothing), warns (WARN) or stays silent (COUNT)."""
         self._counters["failed_inserts"] += failed
         if self.config.on_full == OnFull.COUNT:
             return
@@ -31,20 +43,39 @@ class TableChecks:
                "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "
                "initializer and count them in stats().failed_inserts.")
         if self.config.on_full == OnFull.RAISE:
-            raise CapacityError(msg)
+            raise CapacityError(msg + " The call changed nothing in the table.")
         logger.warning(msg)
 
     def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
+        if self.files is not None and self.files.closed:
+            raise ConfigError(f"table {self.name!r}: {verb} after close(): its ddr store is "
+                              "closed; build a new table (Storage(reopen=True) opens it again).")
         check_keys(keys, f"table {self.name!r}: {verb}")
         return keys.to(self.device)
 
-    def _check_rows(self, keys, values, optimizer_state, verb) -> None:
+    def _check_rows(self, keys, values, optimizer_state, verb, what: str = "values") -> None:
+        """Distinct keys; ``values`` (named ``what``) and ``optimizer_state`` (or None) of the
+        right shapes and finite as float32."""
         if keys.numel() != torch.unique(keys).numel():
             raise InputError(f"table {self.name!r}: {verb} expects distinct keys.")
-        self._check_shape("values", values, (keys.numel(), self.dim))
+        self._check_shape(what, values, (keys.numel(), self.dim))
+        self._check_finite(what, values, verb)
         if optimizer_state is not None:
             self._check_shape("optimizer_state", optimizer_state,
                               (keys.numel(), self.optimizer.state_width))
+            self._check_finite("optimizer_state", optimizer_state, verb)
+
+    def _check_finite(self, what: str, t: torch.Tensor, verb: str) -> None:
+        """Raises InputError unless ``t`` (2-D) is finite as float32, the dtype rows are stored
+        in (a float64 1e300 would become inf)."""
+        bad = ~torch.isfinite(t.detach().to(torch.float32))
+        if bool(bad.any()):
+            row, col = (int(i) for i in torch.nonzero(bad)[0])
+            rows = int(bad.any(dim=1).sum())
+            raise InputError(f"table {self.name!r}: {verb}: {what} hold {rows} row(s) that are "
+                             f"not finite as float32 (first: row {row}, column {col}, value "
+                             f"{float(t[row, col])}); expected finite values. Nothing was "
+                             "written.")
 
     def _scores(self, scores, keys, verb) -> torch.Tensor | None:
         if scores is None:

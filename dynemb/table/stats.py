@@ -77,7 +77,9 @@ class ExportBatch:
 @dataclass(frozen=True, kw_only=True)
 class TableStats:
     """Counters of one table since it was built. Nothing is dropped silently: every key that did
-    not get a row is in ``failed_inserts`` or ``admission_rejected``."""
+    not get a row is in ``failed_inserts`` or ``admission_rejected``, every admission sighting
+    that was forgotten in ``forgotten_sightings``, every gradient row with NaN or inf in
+    ``nonfinite_grads``."""
 
     size: int
     """Rows held."""
@@ -110,7 +112,16 @@ class TableStats:
     admission_rejected: int
     """Occurrences refused by admission (seen fewer than threshold times)."""
     counter_evictions: int
-    """Keys dropped from the admission counter table when it was full."""
+    """Keys dropped from the admission counter table when it was full (their counts are in
+    ``forgotten_sightings``)."""
+    counter_overflows: int
+    """Occurrences of keys that found no room in the admission counter table (every slot of
+    their bucket held a key of the same call): judged on that call alone, then not remembered."""
+    forgotten_sightings: int
+    """Admission sightings forgotten: the counts of evicted counters plus ``counter_overflows``."""
+    nonfinite_grads: int
+    """Gradient rows (one per updated row and step) that held NaN or inf; what happened to them
+    is ``TableConfig.nonfinite``'s choice (skipped, raised, or applied)."""
     erased: int
     """Rows erased by ``erase``."""
     stale_updates: int

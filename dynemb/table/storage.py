@@ -1,96 +1,20 @@
-"""A table's row store over its two tiers, and the memory-mapped files of a ddr tier.
+"""A table's row store over its two tiers.
 
 Rows are ``[embedding (dim) | optimizer state]`` float32, addressed by global row ids: ids
 ``[0, hbm_rows)`` live in the hbm tensor (on the table's device), ids ``[hbm_rows, hbm_rows +
-ddr_rows)`` in the ddr tensor (host memory: pinned for a CUDA table, or a memory-mapped file).
-The kernels of each tier run where its tensor lives.
+ddr_rows)`` in the ddr tensor (host memory: pinned for a CUDA table, or a memory-mapped file of
+a :class:`~dynemb.table.ddr_files.DdrFiles` store). The kernels of each tier run where its
+tensor lives.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from dynemb.errors import ConfigError
 from dynemb.kernels.backend import NUMBA
+from dynemb.table.ddr_files import DdrFiles, ddr_file_bytes
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.uint8: np.uint8}
-
-
-class DdrFiles:
-    """The memory-mapped files of one table's ddr tier: ``<dir>/<table>.ddr.<array>`` plus a
-    ``.json`` header written by :meth:`flush`.
-
-    Args:
-        directory: ``Storage.ddr_path`` (created if missing).
-        table: the table name (characters other than letters, digits, ``._-`` become ``_``).
-        reopen: open the arrays a previous table flushed there; otherwise refuse to overwrite
-            existing files.
-    """
-
-    def __init__(self, directory: str, table: str, *, reopen: bool) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", table) + ".ddr"
-        self.reopen = reopen
-        self._maps: list[np.memmap] = []
-        existing = sorted(p.name for p in self.dir.glob(self.prefix + ".*"))
-        if existing and not reopen:
-            raise ConfigError(
-                f"table {table!r}: Storage.ddr_path {str(self.dir)!r} already holds {existing}; "
-                "remove them, choose another directory, or pass Storage(reopen=True) to continue "
-                "from a flushed backing store. (Under torchrun, build dynemb.distributed."
-                "ShardedEmbeddingBagCollection(configs) directly: each rank then uses "
-                "<ddr_path>/rank<r>.)")
-        if reopen and self.header() is None:
-            raise ConfigError(f"table {table!r}: Storage(reopen=True) found no flushed backing "
-                              f"store {self.prefix}.json in {str(self.dir)!r}.")
-
-    def path(self, name: str) -> Path:
-        return self.dir / f"{self.prefix}.{name}"
-
-    def alloc(self, name: str, n: int, dtype: torch.dtype, fill: int | float) -> torch.Tensor:
-        """A tensor of ``n`` elements backed by the file ``<prefix>.<name>`` (zero-copy)."""
-        path, np_dtype = self.path(name), _NP_DTYPES[dtype]
-        if self.reopen:
-            want = n * np.dtype(np_dtype).itemsize
-            if not path.exists() or path.stat().st_size != want:
-                found = path.stat().st_size if path.exists() else "no file"
-                raise ConfigError(f"reopening {str(path)!r}: expected {want} bytes for this "
-                                  f"table's configuration, found {found}.")
-            mm = np.memmap(path, dtype=np_dtype, mode="r+", shape=(n,))
-        else:
-            mm = np.memmap(path, dtype=np_dtype, mode="w+", shape=(n,))  # a sparse file of zeros
-            if fill:
-                mm[:] = fill
-        self._maps.append(mm)
-        return torch.from_numpy(mm)
-
-    def delete(self) -> None:
-        """Removes the files (mapped tensors stay valid until dropped)."""
-        self._maps.clear()
-        for path in self.dir.glob(self.prefix + ".*"):
-            path.unlink(missing_ok=True)
-
-    def header(self) -> dict | None:
-        path = self.path("json")
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def flush(self, header: dict) -> None:
-        """Writes every mapped page to disk, then the header (atomically, via a rename)."""
-        for mm in self._maps:
-            mm.flush()
-        tmp = self.path("json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(header, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path("json"))
+__all__ = ["DdrFiles", "RowStore", "ddr_file_bytes"]
 
 
 class RowStore:

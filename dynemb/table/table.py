@@ -7,23 +7,20 @@ from collections import Counter
 
 import torch
 
-from dynemb.config import Initializer, ScorePolicy, StorageMode, TableConfig
+from dynemb.config import Initializer, NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
 from dynemb.kernels.hashing import GOLDEN, home_bucket, index_hash, to_signed
-from dynemb.kernels.index_numba import (
-    C_EVICTED, C_INSERTED, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP,
-)
+from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.caching import Cache
 from dynemb.table.checks import TableChecks
 from dynemb.table.index import HashIndex
-from dynemb.table.memory import MemoryUsage, TierMemory, storage_layout
-from dynemb.table.stats import (
-    EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, Lookup, TableStats,
-)
-from dynemb.table.storage import DdrFiles, RowStore
+from dynemb.table.memory import storage_layout
+from dynemb.table.reports import TableReports
+from dynemb.table.stats import EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, Lookup
+from dynemb.table.storage import DdrFiles, RowStore, ddr_file_bytes
 
 POLICY_CODES = {ScorePolicy.LRU: P_LRU, ScorePolicy.LFU: P_LFU, ScorePolicy.STEP: P_STEP,
                 ScorePolicy.CUSTOM: P_CUSTOM, ScorePolicy.NO_EVICTION: P_NO_EVICTION}
@@ -38,13 +35,19 @@ def _mix(init: Initializer, name: str) -> int:
     return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
 
 
-class DynamicTable(TableChecks):
+class DynamicTable(TableChecks, TableReports):
     """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
 
     Storage (``config.storage``): HBM_ONLY keeps every row on ``device``; HYBRID splits the rows
     by a hash of the key between ``device`` (hbm) and host memory (ddr); CACHING keeps every row
     in a ddr backing store under an hbm cache (write-back: see :meth:`flush`, :meth:`prefetch`).
     The mode changes where rows live, never what training computes.
+
+    Failures change nothing: a call that raises :class:`CapacityError` (``on_full`` RAISE)
+    leaves every row, score, admission counter and the step as they were (only
+    ``stats().failed_inserts`` counts it), and input errors are raised before anything changes;
+    with ``on_full`` WARN/COUNT the call completes and returns what it evicted. Gradient rows
+    with NaN or inf follow ``config.nonfinite`` (see :meth:`apply_gradients`).
 
     Args:
         config: the table's configuration.
@@ -67,7 +70,9 @@ class DynamicTable(TableChecks):
                                      st.cache_load_factor)
         self.mode = self.layout.mode
         lay = self.layout
-        files = None if st.ddr_path is None else DdrFiles(st.ddr_path, config.name, reopen=st.reopen)
+        files = None if st.ddr_path is None else DdrFiles(
+            st.ddr_path, config.name, reopen=st.reopen,
+            sizes=ddr_file_bytes(lay, config.dim + self.optimizer.state_width))
         self.files = files
         self.store = RowStore(lay.hbm_rows, lay.ddr_rows, config.dim,
                               config.dim + self.optimizer.state_width, self.device, self.backend,
@@ -93,8 +98,11 @@ class DynamicTable(TableChecks):
         # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
         # (set it each step, e.g. to a timestamp); None gives new keys the table step.
         self.lookup_score: int | None = None
-        if self.cache is not None and st.reopen:
-            self.cache.reopened(files.header())
+        # dynemb.checkpoint's record of this table's saves and loads (training step -> table
+        # step), kept on the table it describes; None until the first save or load.
+        self.checkpoint_marks: object | None = None
+        if files is not None:  # checks a reopened store, then marks it open (not clean)
+            files.opened(self, check=self.cache.reopened if self.cache is not None else None)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -127,7 +135,8 @@ class DynamicTable(TableChecks):
         """Rows of ``keys``, creating (initialising) missing ones; evicts when a bucket is full.
 
         Admission does not apply here (it filters training lookups). ``scores`` (N,) int64 only
-        with ScorePolicy.CUSTOM.
+        with ScorePolicy.CUSTOM. With ``on_full`` RAISE a key that cannot get a row raises
+        CapacityError and the call changes nothing; WARN/COUNT give it the eval initializer.
         """
         keys = self._keys(keys, "find_or_insert")
         lk = self._resolve(keys, touch=True, insert=True, admit=False,
@@ -139,7 +148,11 @@ class DynamicTable(TableChecks):
                          scores: torch.Tensor | None = None,
                          optimizer_state: torch.Tensor | None = None) -> Evicted:
         """Sets the embeddings (and optionally optimizer state) of distinct ``keys`` (N,),
-        inserting missing ones. Existing rows keep their optimizer state unless given."""
+        inserting missing ones. Existing rows keep their optimizer state unless given.
+
+        Raises InputError, changing nothing, for values or state that are not finite as float32;
+        CapacityError, changing nothing, if a key cannot get a row (``on_full`` RAISE; with
+        WARN/COUNT the other keys are assigned). Returns the rows evicted to make room."""
         keys = self._keys(keys, "insert_or_assign")
         self._check_rows(keys, values, optimizer_state, "insert_or_assign")
         lk = self._resolve(keys, touch=True, insert=True, admit=False,
@@ -156,10 +169,11 @@ class DynamicTable(TableChecks):
                   optimizer_state: torch.Tensor, scores: torch.Tensor) -> None:
         """Inserts or overwrites the rows of distinct ``keys`` (N,) exactly: embeddings (N, dim),
         optimizer_state (N, state width), scores (N,) int64 (e.g. from a checkpoint). Counts no
-        lookup and leaves ``step`` as it is; raises CapacityError if a key cannot get a row or
-        placing it would evict another row."""
+        lookup and leaves ``step`` as it is. All or nothing: raises InputError for rows or state
+        that are not finite as float32, CapacityError if a key cannot get a row or placing it
+        would evict another row, having changed nothing."""
         keys = self._keys(keys, "load_rows")
-        self._check_rows(keys, embeddings, optimizer_state, "load_rows")
+        self._check_rows(keys, embeddings, optimizer_state, "load_rows", "embeddings")
         self._check_shape("scores", scores, (keys.numel(),))
         if self.cache is not None:
             self.cache.drop(keys)  # loaded rows go to the backing store, not through the cache
@@ -169,13 +183,14 @@ class DynamicTable(TableChecks):
         none = self._no_scores.to(bkeys.device)
         slots = be.find(ix, bkeys, none, P_NO_EVICTION, self.step, False, True)
         miss = torch.nonzero(slots < 0).flatten()
-        if miss.numel():  # never evicts: a key without a free slot fails
-            new, fresh, _ = be.insert(ix, bkeys[miss], none, P_NO_EVICTION, self.step)
-            slots[miss] = new
-        be.unpin(ix, slots)
-        if miss.numel() and bool((new < 0).any()):
+        failed = 0
+        if miss.numel():  # never evicts, all or nothing: a key without a free slot fails
+            new, _, _ = be.insert(ix, bkeys[miss], none, P_NO_EVICTION, self.step, True)
             failed = int((new < 0).sum())
-            be.erase(ix, bkeys[miss][fresh])  # roll back: the table is as it was
+            if not failed:
+                slots[miss] = new
+        be.unpin(ix, slots)
+        if failed:
             raise CapacityError(
                 f"table {self.name!r}: load_rows cannot place {failed} of {keys.numel()} rows "
                 f"without evicting others (their buckets are full; capacity {self.capacity()}, "
@@ -249,47 +264,6 @@ class DynamicTable(TableChecks):
     def capacity(self) -> int:
         return self.index.num_slots
 
-    def memory_usage(self) -> MemoryUsage:
-        """Bytes per tier of the live tensors (the same formula as ``dynemb.table_memory``)."""
-        hbm_rows, ddr_rows = self.store.tier_bytes()
-        width = self.dim + self.optimizer.state_width
-
-        def split(nbytes: int) -> dict[str, int]:
-            return {"values_bytes": nbytes * self.dim // width,
-                    "optimizer_state_bytes": nbytes * self.optimizer.state_width // width}
-
-        admission = 0 if self.admission is None else self.admission.index.nbytes()
-        if self.cache is None:
-            hbm_index, ddr_index = self.index.nbytes(), 0
-        else:
-            hbm_index, ddr_index = self.cache.nbytes(), self.index.nbytes()
-        return MemoryUsage(
-            hbm=TierMemory(**split(hbm_rows), index_bytes=hbm_index, admission_bytes=admission),
-            ddr=TierMemory(**split(ddr_rows), index_bytes=ddr_index))
-
-    def stats(self) -> TableStats:
-        c = self._counters
-        if self.cache is not None:
-            hbm_rows, ddr_rows = self.cache.index.size(), self.size()
-        elif self.mode == StorageMode.HBM_ONLY:
-            hbm_rows, ddr_rows = self.size(), 0
-        else:
-            hbm_rows = int((self.index.digests[:self.layout.hbm_rows] >= 2).sum())
-            ddr_rows = self.size() - hbm_rows
-        return TableStats(
-            size=self.size(), capacity=self.capacity(), step=self.step,
-            optimizer_step=self.optimizer.step, lookups=c["lookups"],
-            hits=c["hbm_hits"] + c["ddr_hits"], hbm_hits=c["hbm_hits"],
-            hbm_misses=c["hbm_misses"], ddr_hits=c["ddr_hits"], ddr_misses=c["ddr_misses"],
-            inserted=self.index.count(C_INSERTED), evicted=self.index.count(C_EVICTED),
-            failed_inserts=c["failed_inserts"], admission_rejected=c["admission_rejected"],
-            counter_evictions=0 if self.admission is None else self.admission.counter_evictions,
-            erased=c["erased"], stale_updates=c["stale_updates"], hbm_rows=hbm_rows,
-            ddr_rows=ddr_rows, cache_evictions=c["cache_evictions"],
-            write_backs=c["write_backs"],
-            backing_evictions=self.index.count(C_EVICTED) if self.cache is not None else 0,
-            prefetched=c["prefetched"])
-
     # ------------------------------------------------------------------ eviction log
 
     def track_evictions(self, *, restart: bool = False) -> None:
@@ -307,14 +281,21 @@ class DynamicTable(TableChecks):
         self.log.trim(step)
 
     def close(self, *, delete_files: bool = False) -> None:
-        """With ``ddr_path``: flushes (CACHING), or with ``delete_files`` removes the files this
-        table created (e.g. a collection's tables that ``distributed.shard`` replaced)."""
-        if self.files is None:
+        """Ends this table's use of its ``ddr_path`` store (nothing to do without one): writes
+        the cached rows back (CACHING), syncs the files, writes the header and the clean-shutdown
+        marker that ``Storage(reopen=True | "auto")`` needs, and releases the store's lock. With
+        ``delete_files``, a store this table created is removed instead (a reopened one is
+        closed as above). Idempotent; a closed table refuses further lookups. Tables still open
+        at interpreter exit are closed then."""
+        files = self.files
+        if files is None or files.closed:
             return
-        if delete_files and not self.files.reopen:
-            self.files.delete()
-        else:
+        if delete_files and not files.reopened:
+            files.delete()
+            return
+        if not files.replaced():  # (files removed under the table: close() only warns)
             self.flush()
+        files.close(None if self.cache is None else self.cache.header())
 
     # ------------------------------------------------------------------ module path
 
@@ -363,12 +344,37 @@ class DynamicTable(TableChecks):
     def apply_gradients(self, lk: Lookup, grads: torch.Tensor, *, clip: bool = True) -> None:
         """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry.
 
+        Gradient rows holding NaN or inf (as float32) are counted in ``stats().nonfinite_grads``
+        and handled by ``config.nonfinite``: SKIP leaves their rows and state as they were,
+        RAISE raises :class:`InputError` before updating anything, APPLY applies them.
         ``clip=False`` skips ``max_grad_norm`` clipping (a sharded table is clipped by the norm
-        over all shards before this call)."""
-        rids = self.current_slots(lk)
-        self.optimizer.apply(self.store.parts(rids), grads.to(torch.float32).contiguous(),
-                             clip=clip)
+        over all shards before this call); clipping norms count finite rows only."""
+        grads = grads.to(torch.float32).contiguous()
+        rids, bad = self.gradient_rows(lk, grads)
+        if bad:
+            self._counters["nonfinite_grads"] += bad
+            if self.config.nonfinite == NonFinite.RAISE:
+                raise InputError(
+                    f"table {self.name!r}: {bad} gradient row(s) hold NaN or inf at optimizer "
+                    f"step {self.optimizer.step + 1}; expected finite gradients. Nothing was "
+                    "updated (TableConfig.nonfinite='raise'). Find where the loss became "
+                    "non-finite (a lower learning rate often helps), or choose nonfinite='skip' "
+                    "to skip such rows and count them.")
+        self.optimizer.apply(self.store.parts(rids), grads, clip=clip)
         self._mark_written(rids[rids >= 0])
+
+    def gradient_rows(self, lk: Lookup, grads: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(row ids (U,) that an update with ``grads`` (U, dim) float32 writes, the number of
+        the lookup's rows whose gradient holds NaN or inf). With ``nonfinite`` SKIP those rows
+        are -1 (not updated), like entries without a row. Counts nothing."""
+        rids = self.current_slots(lk)
+        if grads.numel() == 0 or bool(torch.isfinite(grads.sum())):
+            return rids, 0  # a NaN or inf anywhere makes the sum non-finite: one cheap pass
+        bad = (rids >= 0) & ~torch.isfinite(grads).all(dim=1)
+        n_bad = int(bad.sum())
+        if n_bad and self.config.nonfinite == NonFinite.SKIP:
+            rids = torch.where(bad, -1, rids)
+        return rids, n_bad
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         """Global row id of each key (N,) or -1, touching nothing."""
@@ -380,63 +386,70 @@ class DynamicTable(TableChecks):
 
     def _resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                  custom: torch.Tensor | None, keep_evicted: bool = True) -> Lookup:
+        """Finds (touching, with ``touch``) and inserts (with ``insert``) the keys of one call.
+
+        With ``on_full`` RAISE an inserting call is atomic: scores touched by the find pass are
+        journaled, the insert kernel places every new key or changes nothing, and a failure
+        undoes the touches, pins, step and counters before raising (:meth:`_refuse`). Nothing
+        else changes before the insert kernel has succeeded (admission only judges until then).
+        """
         custom = self._no_scores if custom is None else custom
+        atomic = insert and self.config.on_full == OnFull.RAISE
+        saved = (self.step, self._counters.copy()) if atomic else None
         if touch:
             self.step += 1
             self._counters["lookups"] += keys.numel()
         if self.cache is not None:
             return self.cache.resolve(keys, touch=touch, insert=insert, admit=admit,
-                                      custom=custom, keep_evicted=keep_evicted)
+                                      custom=custom, keep_evicted=keep_evicted, saved=saved)
         be, ix = self.backend, self.index
-        slots = be.find(ix, keys, custom, self._policy, self.step, touch, True)
+        prev = torch.empty_like(keys) if atomic and touch else None
+        slots = be.find(ix, keys, custom, self._policy, self.step, touch, True, prev)
         if touch:
             self._count_tiers(keys, slots)
         inserted, evicted, failed = None, self._evicted_none(), 0
         if insert:
             inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
-            miss = self._admitted(keys, torch.nonzero(slots < 0).flatten(), admit)
-            if miss.numel():
-                mkeys = keys[miss]
-                new_slots, fresh, ev = be.insert(ix, mkeys, custom[miss] if custom.numel() else custom,
-                                                 self._policy, self.step)
+            miss = torch.nonzero(slots < 0).flatten()
+            new = self._admitted(keys, miss, admit)
+            if new.numel():
+                mkeys = keys[new]
+                mcustom = custom[new] if custom.numel() else custom
+                new_slots, fresh, ev = be.insert(ix, mkeys, mcustom, self._policy, self.step,
+                                                 atomic)
+                failed = int((new_slots < 0).sum())
+                if failed and atomic:
+                    if prev is not None:
+                        be.restore_scores(ix, slots, prev)
+                    be.unpin(ix, slots)
+                    self._refuse(failed, saved)
                 evicted = self._take_evicted(*ev, with_rows=keep_evicted)
                 self._init_rows(ix, new_slots[fresh], mkeys[fresh])
-                slots[miss] = new_slots
-                inserted[miss] = fresh
-                failed = int((new_slots < 0).sum())
+                slots[new] = new_slots
+                inserted[new] = fresh
+            self._record_admission(keys, miss, slots, admit)
         inverse, unique_slots, unique_pos = be.finish(ix, slots)
         if failed:
             self._on_full(failed)
         return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
                       inserted=inserted, evicted=evicted, epoch=self._epoch)
 
-    def _count_tiers(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Per-tier hits and misses of a single-index (HBM_ONLY or HYBRID) lookup."""
-        c, split = self._counters, self.layout.hbm_rows
-        hit = slots >= 0
-        n_hit = int(hit.sum())
-        if self.mode == StorageMode.HBM_ONLY:
-            c["hbm_hits"] += n_hit
-            c["hbm_misses"] += keys.numel() - n_hit
-            return
-        in_hbm = slots < split
-        c["hbm_hits"] += int((hit & in_hbm).sum())
-        c["ddr_hits"] += int((hit & ~in_hbm).sum())
-        if n_hit < keys.numel():
-            mk = keys[~hit]
-            ix = self.index
-            hbm_tier = home_bucket(mk, index_hash(mk), ix.num_buckets, ix.split) < ix.split
-            c["hbm_misses"] += int(hbm_tier.sum())
-            c["ddr_misses"] += int((~hbm_tier).sum())
-
     def _admitted(self, keys: torch.Tensor, miss: torch.Tensor, admit: bool) -> torch.Tensor:
         """The positions of ``miss`` (occurrences of keys without a row) that admission lets in
-        (all of them when ``admit`` is False or the table has no admission)."""
+        (all of them when ``admit`` is False or the table has no admission). Changes no counter
+        of the admission filter: :meth:`_record_admission` does, once the call has succeeded."""
         if admit and self.admission is not None and miss.numel():
-            ok = self.admission.admit(keys[miss].to(self.device)).to(miss.device)
+            ok = self.admission.judge(keys[miss].to(self.device)).to(miss.device)
             self._counters["admission_rejected"] += int((~ok).sum())
             miss = miss[ok]
         return miss
+
+    def _record_admission(self, keys: torch.Tensor, miss: torch.Tensor, slots: torch.Tensor,
+                          admit: bool) -> None:
+        """After a call: the admission filter forgets the keys among ``keys[miss]`` that got a row
+        (``slots`` >= 0) and counts the occurrences of those that did not."""
+        if admit and self.admission is not None and miss.numel():
+            self.admission.record(keys[miss].to(self.device), (slots[miss] >= 0).to(self.device))
 
     def _init_rows(self, ix: HashIndex, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the table's index)."""

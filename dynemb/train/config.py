@@ -217,6 +217,10 @@ class TrainConfig:
     """torch intra-op threads per process (one is fastest for small ops on small machines)."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (under torchrun each rank takes cuda:<local rank>)."""
+    timeout_s: float = 600.0
+    """Under torchrun: the collective timeout of the process group the run makes, in seconds.
+    A rank waiting this long in a collective (the sharded embeddings' all-to-alls, the dense
+    gradients' all-reduce) for a rank that is hung or gone raises instead of waiting forever."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
@@ -235,6 +239,8 @@ class TrainConfig:
         _check_int(own, "seed", self.seed, 0, 2**62)
         _check_int(own, "threads", self.threads, 1, 1024)
         require(self.device in ("cpu", "cuda"), own, "device", self.device, "cpu or cuda")
+        require(is_number(self.timeout_s) and 0 < self.timeout_s <= 86_400 * 7, own,
+                "timeout_s", self.timeout_s, "a number of seconds in (0, 604800]")
         for name, kind in (("data", DataConfig), ("model", ModelConfig),
                            ("embeddings", EmbeddingConfig),
                            ("dense_optimizer", DenseOptimizerConfig)):

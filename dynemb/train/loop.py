@@ -69,7 +69,7 @@ def train(config: TrainConfig, *, resume: bool = False,
     """
     wall = time.perf_counter()
     torch.set_num_threads(config.threads)
-    with environment(config.device) as env:
+    with environment(config.device, config.timeout_s) as env:
         if config.batch_size % env.world_size:
             raise ConfigError(f"TrainConfig.batch_size: expected a multiple of the world size "
                               f"{env.world_size} (samples per step over all ranks), found "

@@ -3,7 +3,9 @@
 Under torchrun (``WORLD_SIZE`` > 1) :func:`environment` initialises the default process group
 (gloo on CPU, nccl on CUDA) unless the caller already did, and tears it down if it made it.
 The collectives here are synchronous and used between steps only, so they never interleave
-with the sharded embeddings' all-to-alls.
+with the sharded embeddings' all-to-alls. A collective that fails because a rank vanished or the
+group's timeout (``TrainConfig.timeout_s``) ran out raises DynembError saying which rank, as the
+sharded embeddings do.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dynemb.errors import ConfigError
+from dynemb.distributed import comm
+from dynemb.errors import ConfigError, DynembError
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,24 @@ def environment(device: str = "cpu", timeout_s: float = 600.0) -> Iterator[Env]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _collective(env: Env, what: str) -> Iterator[None]:
+    """Turns a transport failure (a rank gone, the timeout) into a DynembError naming the rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not comm.is_transport_error(e):
+            raise
+        raise DynembError(comm.peer_loss_message(f"dynemb train (rank {env.rank})", what, e,
+                                                 None)) from e
+
+
 def all_sum(env: Env, values: torch.Tensor) -> torch.Tensor:
     """The element-wise sum of ``values`` over the ranks (a copy; the input alone if one)."""
     out = values.clone()
     if env.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        with _collective(env, "a sum over the ranks"):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
 
@@ -99,7 +115,8 @@ def all_max(env: Env, values: torch.Tensor) -> torch.Tensor:
     """The element-wise maximum of ``values`` over the ranks."""
     out = values.clone()
     if env.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        with _collective(env, "a maximum over the ranks"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
 
 
@@ -116,12 +133,14 @@ def all_gather_cat(env: Env, values: torch.Tensor) -> torch.Tensor:
         return values
     sizes = [torch.zeros(1, dtype=torch.int64, device=values.device)
              for _ in range(env.world_size)]
-    dist.all_gather(sizes, torch.tensor([values.shape[0]], device=values.device))
+    with _collective(env, "a gather over the ranks"):
+        dist.all_gather(sizes, torch.tensor([values.shape[0]], device=values.device))
     longest = int(max(int(s) for s in sizes))
     padded = torch.zeros(longest, *values.shape[1:], dtype=values.dtype, device=values.device)
     padded[:values.shape[0]] = values
     parts = [torch.empty_like(padded) for _ in range(env.world_size)]
-    dist.all_gather(parts, padded)
+    with _collective(env, "a gather over the ranks"):
+        dist.all_gather(parts, padded)
     return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
 
 
@@ -131,7 +150,8 @@ def sum_gradients(env: Env, params: list[torch.nn.Parameter]) -> None:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    with _collective(env, "the dense gradients' all-reduce"):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
@@ -142,5 +162,6 @@ def sum_gradients(env: Env, params: list[torch.nn.Parameter]) -> None:
 def broadcast_parameters(env: Env, module: torch.nn.Module) -> None:
     """Copies rank 0's dense parameters to every rank."""
     if env.distributed:
-        for p in module.parameters():
-            dist.broadcast(p.data, src=0)
+        with _collective(env, "the broadcast of the dense parameters"):
+            for p in module.parameters():
+                dist.broadcast(p.data, src=0)

@@ -227,3 +227,46 @@ def test_a_batch_changed_after_construction_is_refused(backend):
     batch.lengths[0] = 5
     with pytest.raises(InputError, match="changed after"):
         ebc(batch)
+
+
+def _rows(table: dynemb.DynamicTable) -> dict[int, torch.Tensor]:
+    b = table.export_batch(0, table.capacity())
+    full = torch.cat([b.embeddings, b.optimizer_state], dim=1)
+    return {k: full[i].clone() for i, k in enumerate(b.keys.tolist())}
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_nan_loss_in_one_sample_reaches_no_row(backend, kind, nonfinite):
+    """A gradient that is NaN for one sample's bag: SKIP updates every other row and leaves the
+    NaN bag's rows (and Adam state) as they were; RAISE fails backward with an error naming the
+    table, and updates no row."""
+    cfg = dynemb.TableConfig(name="item", dim=4, features=["item_id"], capacity=64,
+                             optimizer=dynemb.Adam(lr=0.1), nonfinite=nonfinite)
+    cls = dynemb.EmbeddingBagCollection if kind == "ebc" else dynemb.EmbeddingCollection
+    module = cls([cfg], backend=backend)
+    batch = dynemb.SparseBatch.from_dict({"item_id": [[1, 2], [3], [2]]})
+    module(batch)                                  # creates the rows
+    table = module.tables["item"]
+    before = _rows(table)
+    out = module(batch)
+    if kind == "ebc":
+        w = torch.ones_like(out.values())
+        w[1, 0] = float("nan")                     # sample 1's bag: key 3 only
+        loss = (out.values() * w).sum()
+    else:
+        w = torch.ones_like(out["item_id"].values)
+        w[2, 0] = float("nan")                     # the third id: key 3
+        loss = (out["item_id"].values * w).sum()
+    if nonfinite == "raise":
+        with pytest.raises(InputError, match="'item'.*1 gradient row"):
+            loss.backward()
+        after = _rows(table)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    else:
+        loss.backward()
+        after = _rows(table)
+        assert torch.equal(after[3], before[3])
+        assert not torch.equal(after[1], before[1]) and not torch.equal(after[2], before[2])
+        assert all(bool(torch.isfinite(r).all()) for r in after.values())
+    assert table.stats().nonfinite_grads == 1

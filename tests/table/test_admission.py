@@ -201,3 +201,40 @@ def test_admitted_key_into_a_full_no_eviction_table_is_a_failed_insert(adm_table
     assert torch.equal(emb[0], torch.full((4,), 0.5))
     s = t.stats()
     assert s.failed_inserts == 1 and s.admission_rejected == 0 and s.size == 8
+
+
+def test_sightings_lost_to_a_full_counter_table_are_counted(adm_table):
+    """The two places sightings vanish: a key that finds no room in the counter table (every
+    slot of its bucket holds a key of the same call: judged on the call alone, then forgotten),
+    and a counter evicted to make room (its count is lost). Both are counted."""
+    t = adm_table(threshold=5, counter_capacity=8)
+    assert t.admission.index.num_slots == 8
+    ks = list(range(100, 110))                     # 10 distinct new keys, 8 counter slots
+    lookup_rows(t, ks + ks[:3])                    # 100..102 seen twice
+    s = t.stats()
+    assert t.admission.size() == 8
+    counted = dict(zip(*(x.tolist() for x in t.admission.export())))
+    lost = sum(ks.count(k) + ks[:3].count(k) for k in ks if k not in counted)
+    assert s.counter_overflows == lost == 2       # two keys seen once each found no slot
+    assert s.forgotten_sightings == 2 and s.counter_evictions == 0
+    assert sum(counted.values()) + lost == len(ks) + 3   # every sighting: kept or counted lost
+    lookup_rows(t, [999])                          # evicts a least-counted counter
+    s = t.stats()
+    assert s.counter_evictions == 1 and s.counter_overflows == 2
+    gone = set(counted) - set(t.admission.export()[0].tolist())
+    assert len(gone) == 1 and counted[min(gone)] == min(counted.values())
+    assert s.forgotten_sightings == 2 + counted[gone.pop()]
+    assert s.admission_rejected == len(ks) + 3 + 1
+
+
+def test_admitted_key_that_found_no_row_stays_admissible(adm_table):
+    """With on_full COUNT, a key admitted into a full table keeps its count (it is counted,
+    not forgotten) and gets its row as soon as there is room."""
+    t = adm_table(threshold=2, capacity=8, score=dynemb.ScorePolicy.NO_EVICTION,
+                  on_full=OnFull.COUNT)
+    t.find_or_insert(K(*range(1, 9)))              # full
+    lookup_rows(t, [50])
+    assert lookup_rows(t, [50])[0].tolist() == [False]   # admitted (2), but no room
+    assert t.stats().failed_inserts == 1
+    t.erase(K(1))
+    assert lookup_rows(t, [50])[0].tolist() == [True]    # still admissible: gets the row

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dynemb
+from dynemb.errors import CapacityError
 from dynemb.kernels.hashing import bucket_of, index_hash
 
 CAPACITY, WIDTH, DIM = 16, 8, 2  # two buckets: the 40-key pool overflows them
@@ -100,9 +101,13 @@ def check_contents(table: dynemb.DynamicTable, model: Model) -> None:
         assert int(exp.scores[i]) == model.scores[k], f"score of {k}"
 
 
-def run_ops(backend: str, policy: dynemb.ScorePolicy, ops, report=lambda _: None) -> None:
+def run_ops(backend: str, policy: dynemb.ScorePolicy, ops, report=lambda _: None,
+            on_full: dynemb.OnFull = dynemb.OnFull.COUNT) -> None:
+    """Runs ``ops`` on a table and the model. With ``on_full`` RAISE a call in which the model
+    predicts a failed key must raise and leave the table exactly as it was (the model is not
+    advanced: ``check_contents`` compares every key, row and score)."""
     cfg = dynemb.TableConfig(name="p", dim=DIM, features=["f"], capacity=CAPACITY,
-                             bucket_capacity=WIDTH, score=policy, on_full=dynemb.OnFull.COUNT)
+                             bucket_capacity=WIDTH, score=policy, on_full=on_full)
     table = dynemb.DynamicTable(cfg, backend=backend)
     model = Model(policy)
     zeros = torch.zeros(DIM)
@@ -125,10 +130,22 @@ def run_ops(backend: str, policy: dynemb.ScorePolicy, ops, report=lambda _: None
             for k in gone:
                 del model.values[k], model.scores[k]
         else:
-            model.step += 1
-            model.touch(keys)
             pinned, inserted, failed, evictions = model.plan_inserts(keys)
             before = table.stats().failed_inserts
+            if failed and on_full == dynemb.OnFull.RAISE:
+                step = table.step
+                with pytest.raises(CapacityError, match="changed nothing"):
+                    if op == "find_or_insert":
+                        table.find_or_insert(t)
+                    else:
+                        table.insert_or_assign(t, torch.randn(len(keys), DIM))
+                report("raised")
+                assert table.stats().failed_inserts - before == sum(keys.count(k) for k in failed)
+                assert table.step == step
+                check_contents(table, model)
+                continue
+            model.step += 1
+            model.touch(keys)
             if op == "find_or_insert":
                 res = table.find_or_insert(t)
                 evicted, values = res.evicted, res.values
@@ -165,6 +182,16 @@ def _eval(table, t):
 @given(ops=st.lists(op_st, min_size=1, max_size=25))
 def test_random_operations_match_dict_model(backend, policy, ops):
     run_ops(backend, policy, ops, report=event)
+
+
+@pytest.mark.parametrize("policy", [dynemb.ScorePolicy.LRU, dynemb.ScorePolicy.LFU,
+                                    dynemb.ScorePolicy.NO_EVICTION])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(op_st, min_size=1, max_size=25))
+def test_random_operations_with_on_full_raise_are_atomic(backend, policy, ops):
+    """Every call either does exactly what the model predicts or, when a key would fail,
+    raises CapacityError and changes no key, row or score (and not the step)."""
+    run_ops(backend, policy, ops, report=event, on_full=dynemb.OnFull.RAISE)
 
 
 def test_model_sees_evictions():
