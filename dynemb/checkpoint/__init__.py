@@ -1,11 +1,14 @@
-"""Checkpoints of dynamic tables: a directory with ``manifest.json`` and per-rank, per-table
-safetensors shard files, written atomically, validated on load, reshardable, incremental.
+"""Checkpoints of dynamic tables: a directory with a sealed ``manifest.json`` and per-rank,
+per-table safetensors shard files, written atomically (saves to one path serialised by a lock
+file), validated whole on load before anything changes, reshardable, incremental.
 
 ::
 
     dynemb.checkpoint.save(path, model=model, dense_optimizer=opt, step=step)  # every rank
     step = dynemb.checkpoint.load(path, model=model, dense_optimizer=opt)     # reshard=True to
                                                                               # change W/routing
+    dropped = {}                                # rows that found their hash bucket full:
+    dynemb.checkpoint.load(path, model=model, reshard=True, dropped=dropped)  # on_full=WARN
     dynemb.checkpoint.export_incremental(delta, model=model, since_step=step, step=now)
 
 ``model`` is any module holding dynemb collections (plain, or sharded over the ranks of a

@@ -145,13 +145,33 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(root: Path, rel: str, entry: dict) -> None:
-    """Checks that ``root / rel`` exists with the size and sha256 the manifest recorded.
+def inside(root: Path, rel: str) -> Path:
+    """``root / rel``, refused unless it resolves (symbolic links followed) to a path inside
+    ``root``.
 
     Raises:
-        CheckpointError: missing, truncated (or grown), or a checksum mismatch.
+        CheckpointError: ``rel`` is absolute, or leads (through ``..`` or a symbolic link)
+            outside the checkpoint directory.
     """
     path = root / rel
+    base = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if os.path.isabs(rel) or os.path.commonpath([base, real]) != base or real == base:
+        raise CheckpointError(f"checkpoint {root}: file {rel!r} resolves to {real}, outside the "
+                              "checkpoint directory; expected a plain name inside it (the "
+                              "checkpoint was edited, or holds a symbolic link).")
+    return path
+
+
+def verify(root: Path, rel: str, entry: dict) -> None:
+    """Checks that ``root / rel`` is inside ``root`` and exists with the size and sha256 the
+    manifest recorded.
+
+    Raises:
+        CheckpointError: outside the checkpoint, missing, truncated (or grown), or a checksum
+            mismatch.
+    """
+    path = inside(root, rel)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {root}: file {rel} is missing (the manifest lists it "
                               f"with {entry['bytes']} bytes); the checkpoint is incomplete: load "
@@ -189,6 +209,10 @@ class TensorFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slices[name].get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype (``"I64"``, ``"F32"``, ...)."""
+        return str(self._slices[name].get_dtype())
 
     def rows(self, name: str) -> int:
         return self.shape(name)[0]

@@ -3,7 +3,8 @@
 
 :func:`describe` gives the header (kind, step, world size, versions), the dense state, and per
 table its configuration summary and a row per rank: rows, table and optimizer steps, files and
-bytes. :func:`verify_all` checks every file's size and sha256.
+bytes. :func:`verify_all` checks every file as ``load`` does: size, sha256, and each shard
+file's metadata and shapes against the manifest (itself checked by its checksum and schema).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from dynemb.errors import CheckpointError
-from dynemb.checkpoint.files import verify
+from dynemb.checkpoint.integrity import check_files
 from dynemb.checkpoint.manifest import DELTA, read_manifest
+from dynemb.checkpoint.schema import file_specs
 
 
 def _size(n: int) -> str:
@@ -88,9 +89,14 @@ def describe(path: str | Path) -> str:
 
 
 def verify_all(path: str | Path) -> int:
-    """Checks the size and sha256 of every file the manifest lists; returns how many."""
-    root = Path(path)
+    """Checks every file the manifest lists (size, sha256, and each shard file's metadata and
+    tensor shapes against the manifest); returns how many.
+
+    Raises:
+        CheckpointError: the manifest or a file fails a check (the first failure).
+    """
+    root = Path(path).absolute()
     m = read_manifest(root)
-    for rel, entry in m["files"].items():
-        verify(root, rel, entry)
-    return len(m["files"])
+    specs = file_specs(m, f"checkpoint {root}")
+    check_files(root, m, specs)
+    return len(specs)

@@ -32,6 +32,8 @@ class TableSlot:
     table: DynamicTable
     config: TableConfig
     """The global config (a sharded table's ``capacity`` is the whole table's)."""
+    module: str = ""
+    """The collection's path in the model (``""`` at the root)."""
 
 
 @dataclass
@@ -79,12 +81,29 @@ def _qualified(path: str, name: str) -> str:
     return f"{path}/{name}" if path else name
 
 
+def _who(slot: TableSlot) -> str:
+    return f"table {slot.config.name!r} of the collection at {slot.module or '<root>'!r}"
+
+
+def _check_distinct(tables: list[TableSlot]) -> None:
+    """Two tables may not share a checkpoint name (``"<module path>/<name>"`` can be spelled
+    two ways when module or table names hold a ``/``)."""
+    seen: dict[str, TableSlot] = {}
+    for slot in tables:
+        other = seen.setdefault(slot.key, slot)
+        if other is not slot:
+            raise CheckpointError(f"checkpoint: {_who(other)} and {_who(slot)} would both be "
+                                  f"saved as {slot.key!r}; rename one of them (or the module "
+                                  "that holds it).")
+
+
 def view_model(model: torch.nn.Module) -> ModelView:
     """Finds every dynemb collection in ``model`` (itself included).
 
     Raises:
-        CheckpointError: ``model`` is not a module, sharded collections disagree on their
-            world, or plain and sharded collections are mixed in a job of several ranks.
+        CheckpointError: ``model`` is not a module, two tables have the same checkpoint name,
+            sharded collections disagree on their world, or plain and sharded collections are
+            mixed in a job of several ranks.
     """
     if not isinstance(model, torch.nn.Module):
         raise CheckpointError(f"checkpoint: expected model= a torch.nn.Module, found "
@@ -101,12 +120,13 @@ def view_model(model: torch.nn.Module) -> ModelView:
             worlds[path or "<root>"] = (m.world_size, m.rank, m.group)
             for config in m.configs:
                 tables.append(TableSlot(key=_qualified(path, config.name),
-                                        table=m.tables[config.name], config=config))
+                                        table=m.tables[config.name], config=config, module=path))
         elif isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
             plain.append(path or "<root>")
             for name, table in m.tables.items():
                 tables.append(TableSlot(key=_qualified(path, name), table=table,
-                                        config=table.config))
+                                        config=table.config, module=path))
+    _check_distinct(tables)
     sizes = {(w, r) for w, r, _ in worlds.values()}
     if len(sizes) > 1:
         by_module = {k: v[:2] for k, v in worlds.items()}

@@ -1,4 +1,5 @@
-"""Training steps → table steps, per table, for incremental exports (in memory, per process).
+"""Training steps → table steps, per table, for incremental exports (in memory, kept on each
+table object as ``table.checkpoint_marks``: no process-global state).
 
 A table counts its own steps (score-touching calls), not training steps. Every save, load and
 incremental export records here which table step each table was at for the training step it was
@@ -15,7 +16,6 @@ of the latest delta nor the full save before the latest one.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 
 from dynemb.errors import CheckpointError
@@ -34,13 +34,12 @@ class TableSteps:
     tracking: bool = False
 
 
-_STEPS: weakref.WeakKeyDictionary[DynamicTable, TableSteps] = weakref.WeakKeyDictionary()
-
-
 def steps_of(table: DynamicTable) -> TableSteps:
-    if table not in _STEPS:
-        _STEPS[table] = TableSteps()
-    return _STEPS[table]
+    """The table's marks (``table.checkpoint_marks``, created on first use)."""
+    marks = table.checkpoint_marks
+    if not isinstance(marks, TableSteps):
+        marks = table.checkpoint_marks = TableSteps()
+    return marks
 
 
 def start_tracking(table: DynamicTable) -> None:

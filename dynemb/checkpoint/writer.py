@@ -1,7 +1,8 @@
-"""Writing checkpoints: every rank writes its shard files into a temporary sibling directory,
-rank 0 adds the manifest once all have written, fsyncs, and puts the directory in place
-atomically. ``save`` writes every row; ``export_incremental`` the rows written and the keys
-evicted since an earlier step."""
+"""Writing checkpoints: rank 0 takes the path's save lock and checks what is there; every rank
+writes its shard files into a temporary sibling directory; rank 0 adds the sealed manifest once
+all have written, checks the new directory is complete, fsyncs, puts it in place atomically and
+releases the lock. ``save`` writes every row; ``export_incremental`` the rows written and the
+keys evicted since an earlier step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +21,14 @@ from dynemb.errors import CheckpointError
 from dynemb.checkpoint.files import (
     FileEntry, Hasher, fsync_dir, replace_dir, write_bytes, write_tensors,
 )
+from dynemb.checkpoint.integrity import file_metadata
 from dynemb.checkpoint.manifest import (
     DELTA, FORMAT, FORMAT_VERSION, FULL, MANIFEST, table_dir, table_entry, write_json,
 )
+from dynemb.checkpoint.paths import (
+    SaveLock, check_complete, check_replaceable, owned_name, remove_abandoned,
+)
+from dynemb.checkpoint.schema import FileSpec
 from dynemb.checkpoint.model import ModelView, TableSlot, dense_state, optimizer_type, view_model
 from dynemb.table.stats import ExportBatch
 from dynemb.table.table import DynamicTable
@@ -80,6 +85,20 @@ def _parts(batches: Iterator[ExportBatch], part_rows: int) -> Iterator[list[torc
         yield [buf[:n] for buf in bufs]
 
 
+def _kind(since: int | None) -> str:
+    return FULL if since is None else DELTA
+
+
+def _write_small(root: Path, rel_dir: str, content: str, tensors: dict[str, torch.Tensor],
+                 slot: TableSlot, rank: int, since: int | None, files: Hasher) -> dict:
+    """Writes an admission or evicted-keys file (``content``); returns its manifest entry."""
+    rel = f"{rel_dir}/rank{rank:05d}.{content}.safetensors"
+    keys = tensors["keys"].numel()
+    meta = file_metadata(FileSpec(rel, content, rank, slot.key, rows=keys), _kind(since))
+    files.add(root, rel, write_tensors(root / rel, tensors, meta))
+    return {"file": rel, "keys": keys}
+
+
 def _write_rows(root: Path, rel_dir: str, slot: TableSlot, rank: int, since: int | None,
                 files: Hasher) -> tuple[list[dict], int]:
     """Writes the table's rows as parts; returns ([{file, rows}], total rows)."""
@@ -89,9 +108,10 @@ def _write_rows(root: Path, rel_dir: str, slot: TableSlot, rank: int, since: int
     parts, total = [], 0
     for p, (keys, emb, opt, scores) in enumerate(_parts(_export(t, since), part_rows)):
         rel = f"{rel_dir}/rank{rank:05d}.part{p:05d}.safetensors"
+        meta = file_metadata(FileSpec(rel, "rows", rank, slot.key, p, keys.numel()),
+                             _kind(since))
         size = write_tensors(root / rel, {"keys": keys, "embeddings": emb,
-                                          "optimizer_state": opt, "scores": scores},
-                             {"table": slot.key, "rank": str(rank), "part": str(p)})
+                                          "optimizer_state": opt, "scores": scores}, meta)
         files.add(root, rel, size)
         parts.append({"file": rel, "rows": keys.numel()})
         total += keys.numel()
@@ -112,18 +132,17 @@ def _write_table(root: Path, index: int, slot: TableSlot, rank: int, since: int 
              "since_table_step": since, "parts": parts, "admission": None, "evicted": None}
     if t.admission is not None:
         keys, counts = t.admission.export()
-        rel = f"{rel_dir}/rank{rank:05d}.admission.safetensors"
-        files.add(root, rel, write_tensors(root / rel, {"keys": keys, "counts": counts}))
-        entry["admission"] = {"file": rel, "keys": keys.numel()}
+        entry["admission"] = _write_small(root, rel_dir, "admission",
+                                          {"keys": keys, "counts": counts}, slot, rank, since,
+                                          files)
     if since is not None:
         try:
             evicted = t.evicted_since(since)
         except Exception as e:  # noqa: BLE001  (InputError: the log does not reach back)
             raise CheckpointError(f"table {slot.key!r}: cannot list the keys evicted since table "
                                   f"step {since}: {e}") from None
-        rel = f"{rel_dir}/rank{rank:05d}.evicted.safetensors"
-        files.add(root, rel, write_tensors(root / rel, {"keys": evicted}))
-        entry["evicted"] = {"file": rel, "keys": evicted.numel()}
+        entry["evicted"] = _write_small(root, rel_dir, "evicted", {"keys": evicted}, slot, rank,
+                                        since, files)
     return entry
 
 
@@ -183,43 +202,49 @@ def _manifest(view: ModelView, reports: list[dict], kind: str, step: int,
 
 
 def _commit(tmp: Path, dest: Path, manifest: dict) -> None:
-    """Rank 0: manifest, fsync every directory, then the atomic replacement."""
+    """Rank 0, holding the lock: the sealed manifest, a check that the new directory is
+    complete, fsync of every directory, the atomic replacement; then the previous checkpoint
+    and abandoned replaced ones are removed."""
     write_bytes(tmp / MANIFEST, write_json(manifest))
+    check_complete(tmp)
     for d, _, _ in os.walk(tmp, topdown=False):
         fsync_dir(Path(d))
-    old = replace_dir(tmp, dest, dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:12]}")
+    old = replace_dir(tmp, dest, owned_name(dest, "old"))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    remove_abandoned(dest, "old")
 
 
-def _prepare(dest: Path, tmp: Path) -> None:
-    """Rank 0: refuses to replace something that is not a checkpoint; removes the temporary
-    directories of saves that were killed before they finished."""
-    if dest.exists() and not (dest / MANIFEST).is_file() and (
-            not dest.is_dir() or any(dest.iterdir())):
-        raise CheckpointError(f"checkpoint: {dest} exists and is not a dynemb checkpoint; "
-                              "refusing to replace it. Choose another path or remove it.")
-    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
-        if stale != tmp:
-            logger.info("removing %s, left by an interrupted save", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+def _begin(dest: Path) -> tuple[SaveLock, Path]:
+    """Rank 0: takes the save lock of ``dest``, refuses to replace what is not a checkpoint,
+    removes temporary directories of saves that were killed, and makes its own."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = SaveLock(dest).__enter__()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint: cannot take the save lock beside {dest} ({e}); "
+                              "expected a writable directory.") from None
+    try:
+        check_replaceable(dest)
+        remove_abandoned(dest, "tmp")
+        tmp = owned_name(dest, "tmp")
+        tmp.mkdir()
+    except BaseException:
+        lock.__exit__()
+        raise
+    return lock, tmp
 
 
-def _write(path: str | os.PathLike, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer | None, kind: str, step: int,
-           since_step: int | None) -> ModelView:
-    """The collective write of ``save`` and ``export_incremental``."""
-    view = view_model(model)
-    world, dest = view.world, Path(path).absolute()
-    token = world.all_gather(uuid.uuid4().hex[:12] if world.rank == 0 else None)[0]
-    tmp = dest.parent / f".{dest.name}.tmp-{token}"
+def _write_all(view: ModelView, tmp: Path, dest: Path, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer | None, kind: str, step: int,
+               since_step: int | None) -> None:
+    """Every rank writes into ``tmp``; rank 0 commits; errors are raised on every rank."""
+    world = view.world
     report, error = None, None
     try:
         optimizer_type(optimizer)
         since = None if since_step is None else {
             s.key: steps.table_step_at(s.table, s.key, since_step) for s in view.tables}
-        if world.rank == 0:
-            _prepare(dest, tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         report = _write_rank(tmp, model, view, optimizer, since)
     except Exception as e:  # noqa: BLE001  (raised on every rank below)
@@ -236,6 +261,29 @@ def _write(path: str | os.PathLike, model: torch.nn.Module,
             error = e
             shutil.rmtree(tmp, ignore_errors=True)
     world.raise_together(error, f"checkpoint {kind} commit of {dest}")
+
+
+def _write(path: str | os.PathLike, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer | None, kind: str, step: int,
+           since_step: int | None) -> ModelView:
+    """The collective write of ``save`` and ``export_incremental``: rank 0 holds the path's save
+    lock from before it looks at the path until the new checkpoint is in place."""
+    view = view_model(model)
+    world, dest = view.world, Path(path).absolute()
+    lock, tmp, error = None, None, None
+    try:
+        if world.rank == 0:
+            try:
+                optimizer_type(optimizer)
+                lock, tmp = _begin(dest)
+            except Exception as e:  # noqa: BLE001  (raised on every rank below)
+                error = e
+        world.raise_together(error, f"checkpoint {kind} save to {dest}")
+        tmp = Path(world.all_gather(None if tmp is None else str(tmp))[0])
+        _write_all(view, tmp, dest, model, optimizer, kind, step, since_step)
+    finally:
+        if lock is not None:
+            lock.__exit__()
     return view
 
 
@@ -246,8 +294,10 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module,
 
     Collective when the model holds sharded collections: every rank calls it with the same
     ``path`` (on a file system every rank sees). The directory is written next to ``path`` and
-    put in place atomically once every rank has written; the checkpoint that was at ``path``
-    stays valid until then. CACHING tables are flushed first.
+    put in place atomically once every rank has written and it is complete; the checkpoint that
+    was at ``path`` stays valid until then. Saves to one path are serialised (a lock file beside
+    it); a save replaces only an empty directory or a dynemb checkpoint (a valid manifest that
+    names every file in it). CACHING tables are flushed first.
 
     Args:
         path: the checkpoint directory (replaced if it holds a checkpoint).
@@ -256,7 +306,9 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module,
         step: the training step (returned by ``load``, and a later ``since_step``).
 
     Raises:
-        CheckpointError: on every rank, if any rank could not write (nothing is replaced).
+        CheckpointError: on every rank, if any rank could not write, or ``path`` holds something
+            else than a checkpoint, or two tables of the model have the same checkpoint name
+            (nothing is replaced).
     """
     step = _check_step("step", step)
     view = _write(path, model, dense_optimizer, FULL, step, None)

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dynemb
 from dynemb import checkpoint
 
+import _full as F
 import _models as M
 
 HR, RR = dynemb.Routing.HASH_ROUNDROBIN, dynemb.Routing.ROUNDROBIN
@@ -76,6 +77,12 @@ def job_w2(rank: int, out: Path, group, res: dict) -> None:
                                   dense_optimizer=inc_opt)
     checkpoint.save(out / "full", model=inc, dense_optimizer=inc_opt, step=4)
 
+    full = dynemb.distributed.shard(dynemb.EmbeddingBagCollection(F.configs()), group=group)
+    F.fill(full, rank)
+    res["at_capacity"] = all(t.size() == t.capacity() for t in full.tables.values())
+    checkpoint.save(out / "full_tables", model=full, step=7)
+    res["full_saved"] = {n: F.rows(t) for n, t in full.tables.items()}
+
 
 def job_w3(rank: int, out: Path, group, res: dict) -> None:
     """Loads the W = 2 "hash" checkpoint: refused without reshard, re-routed with it."""
@@ -86,6 +93,17 @@ def job_w3(rank: int, out: Path, group, res: dict) -> None:
     res["tables"] = M.snapshot(model)
     res["dense"] = {k: v.clone() for k, v in model.mlp.module.state_dict().items()}
     res["after"] = M.train(model, opt, range(CUT, CUT + 1), rank)  # it trains on
+
+    full = dynemb.distributed.shard(dynemb.EmbeddingBagCollection(F.configs()), group=group)
+    dropped: dict = {}
+    res["full_step"] = checkpoint.load(out / "full_tables", model=full, reshard=True,
+                                       dropped=dropped)
+    res["full_kept"] = {n: F.rows(t) for n, t in full.tables.items()}
+    res["full_dropped"] = {n: F.batch_rows(b) for n, b in dropped.items()}
+    res["full_buckets"] = {n: (t.home_buckets(res["full_kept"][n]["keys"]),
+                               t.home_buckets(res["full_dropped"][n]["keys"])
+                               if n in dropped else None, t.index.width)
+                           for n, t in full.tables.items()}
 
 
 JOBS = {"w2": job_w2, "w3": job_w3}

@@ -2,11 +2,14 @@
 hash_roundrobin checkpoint reshards to W = 3 and to a plain collection (W = 1, no
 torch.distributed), roundrobin reshards to hash_roundrobin: every key on its owner, with its
 row, optimizer state and score, none lost or duplicated; without reshard the load is refused on
-every rank; base + delta of W = 2 equals the full checkpoint at W = 1."""
+every rank; base + delta of W = 2 equals the full checkpoint at W = 1. Tables at capacity at
+W = 2 reshard to W = 1 and W = 3 at the same capacity, dropping (and reporting) the
+lowest-scored rows of overfull buckets, every kept row equal to the saved one."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from dynemb import checkpoint
 from dynemb.distributed import route
 
 import _dist as D
+import _full as F
 import _models as M
 
 pytestmark = pytest.mark.slow
@@ -123,3 +127,49 @@ def test_inspect_two_rank_checkpoint(w2, out):
     assert f"total {sum(rows):,} rows" in text
     files = json.loads((out / "hash" / "manifest.json").read_text())["files"]
     assert checkpoint.inspect.verify_all(out / "hash") == len(files)
+
+
+def _saved_full(w2) -> dict:
+    assert all(r["at_capacity"] for r in w2)
+    return {n: F.merge([r["full_saved"][n] for r in w2]) for n in F.MODES}
+
+
+def test_full_tables_reshard_two_ranks_to_one(w2, out, caplog):
+    """Full tables (HBM_ONLY, HYBRID, CACHING) saved at W = 2 load at W = 1 with the same
+    capacity: the rows that do not fit their bucket are dropped, lowest score first, logged and
+    returned; every kept row is the saved one. Before: load(reshard=True) raised."""
+    saved = _saved_full(w2)
+    model = dynemb.EmbeddingBagCollection(F.configs())
+    dropped: dict = {}
+    with caplog.at_level(logging.WARNING, logger="dynemb.checkpoint.reader"):
+        assert checkpoint.load(out / "full_tables", model=model, reshard=True,
+                               dropped=dropped) == 7
+    assert sorted(dropped) == sorted(F.MODES)
+    for name, table in model.tables.items():
+        kept, out_rows = F.rows(table), F.batch_rows(dropped[name])
+        n = out_rows["keys"].numel()
+        assert n > 0 and f"table {name!r}: 256 of its rows" in caplog.text
+        assert f"dropped {n} (on_full=warn" in caplog.text
+        F.assert_kept_and_dropped(kept, out_rows, saved[name])
+        F.assert_highest_kept(table, kept, out_rows)
+
+
+def test_full_tables_reshard_two_ranks_to_three(w2, w3):
+    saved = _saved_full(w2)
+    assert all(r["full_step"] == 7 for r in w3)
+    _assert_on_owners([r["full_kept"] for r in w3], D.HR)
+    for name in F.MODES:
+        kept = F.merge([r["full_kept"][name] for r in w3])
+        outs = [r["full_dropped"][name] for r in w3 if name in r["full_dropped"]]
+        assert outs, name  # some bucket overflowed somewhere: it was reported
+        F.assert_kept_and_dropped(kept, F.merge(outs), saved[name])
+        for r in w3:  # per rank: dropped rows never outrank kept ones of their bucket
+            kb, db, width = r["full_buckets"][name]
+            if db is None:
+                continue
+            k, d = r["full_kept"][name], r["full_dropped"][name]
+            for b in torch.unique(db).tolist():
+                assert int((kb == b).sum()) == width
+                worst = min(zip(k["scores"][kb == b].tolist(), (-k["keys"][kb == b]).tolist()))
+                best = max(zip(d["scores"][db == b].tolist(), (-d["keys"][db == b]).tolist()))
+                assert best < worst
