@@ -22,8 +22,9 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	$(BIN)/python -c "import torch, dynemb; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
+# --overwrite: running `make train` again replaces the earlier run in runs/movielens-100k.
 train: install
-	$(BIN)/python -m dynemb train
+	$(BIN)/python -m dynemb train --overwrite
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -3,8 +3,13 @@
 ::
 
     dynemb train [--config run.yaml] [--data movielens-100k|synthetic|criteo:PATH] [--steps N]
-                 [--batch-size B] [--out runs/NAME] [--resume] [--set KEY=VALUE ...]
+                 [--batch-size B] [--out runs/NAME] [--resume | --overwrite]
+                 [--set KEY=VALUE ...]
     dynemb inspect PATH [--verify] [--json]
+
+Errors the user can fix (a bad config, data file or run directory: every
+:class:`~dynemb.errors.DynembError`) are printed as one message, without a traceback, and exit
+with status 2. The behaviour is documented in docs/cli.md.
 
 Each subcommand is a function that adds its parser (``_add_train``) and a handler it sets as
 ``handler``; :data:`SUBCOMMANDS` lists the adders, so a new subcommand is one function and one
@@ -57,8 +62,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, metavar="N", help="training steps (total)")
     p.add_argument("--batch-size", type=int, metavar="B", help="samples per step, all ranks")
     p.add_argument("--out", metavar="DIR", help="run directory (default runs/<data source>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in DIR/checkpoints")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in DIR/checkpoints up to "
+                            "--steps (resharded if saved over another number of ranks)")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a DIR that holds an earlier run, deleting its "
+                            "checkpoints and metrics (without it, such a DIR is refused)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set data.split=time (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -79,9 +89,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _run_train(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
-    metrics = train(train_config(args), resume=args.resume)
+    metrics = train(train_config(args), resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(format_summary(metrics), flush=True)
+        if metrics.get("nothing_to_do"):
+            print(f"dynemb train: nothing to do: the run in {metrics['out']} is already at step "
+                  f"{metrics['resumed_from']} (--steps {metrics['steps']}); pass a larger "
+                  "--steps to train further.", flush=True)
+        else:
+            print(format_summary(metrics), flush=True)
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 import torch
 
 from dynemb.data.base import Batch, DataSource
+from dynemb.errors import DynembError
 
 T = TypeVar("T")
 
@@ -114,6 +115,17 @@ class Prefetcher(Generic[T]):
         self.close()
 
 
+class _WorkerError:
+    """A DynembError raised in the worker process, carried to the trainer as data: a DataLoader
+    would re-raise it with the worker's traceback pasted into its message."""
+
+    def __init__(self, error: DynembError) -> None:
+        self.kind, self.message = type(error), str(error)
+
+    def reraise(self) -> None:
+        raise self.kind(self.message)
+
+
 class _TrainStream(torch.utils.data.IterableDataset):
     """A source's training batches, for a DataLoader worker process."""
 
@@ -122,10 +134,20 @@ class _TrainStream(torch.utils.data.IterableDataset):
         self.source, self.batch_size = source, batch_size
         self.rank, self.world_size, self.start = rank, world_size, start
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Batch | _WorkerError]:
         torch.set_num_threads(1)
-        return self.source.train_batches(self.batch_size, rank=self.rank,
-                                         world_size=self.world_size, start=self.start)
+        try:
+            yield from self.source.train_batches(self.batch_size, rank=self.rank,
+                                                 world_size=self.world_size, start=self.start)
+        except DynembError as error:
+            yield _WorkerError(error)
+
+
+def _unwrap(batches: Iterator[Batch | _WorkerError]) -> Iterator[Batch]:
+    for item in batches:
+        if isinstance(item, _WorkerError):
+            item.reraise()
+        yield item
 
 
 def worker_batches(source: DataSource, batch_size: int, *, rank: int = 0, world_size: int = 1,
@@ -134,10 +156,12 @@ def worker_batches(source: DataSource, batch_size: int, *, rank: int = 0, world_
     ``DataLoader`` worker; the batches arrive in order through shared memory).
 
     Python-heavy batch building (parsing text, many small tensor ops) holds the GIL, so a thread
-    cannot overlap it with the step; a process can, when a core is free for it.
+    cannot overlap it with the step; a process can, when a core is free for it. A
+    :class:`~dynemb.errors.DynembError` of the source (a malformed data line) is raised here
+    as the same type with the same message.
     """
     stream = _TrainStream(source, batch_size, rank, world_size, start)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1,
                                          prefetch_factor=max(1, depth),
                                          multiprocessing_context="spawn")
-    return iter(loader)
+    return _unwrap(iter(loader))

@@ -7,6 +7,7 @@ checked by each dataclass's own validation.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import json
@@ -87,30 +88,143 @@ def to_dict(config: object) -> dict[str, Any]:
     return result
 
 
-def read_file(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML (or JSON: ``.json``) file."""
-    path = Path(path)
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (1 MiB): a config is a page of settings."""
+MAX_CONFIG_VALUES = 100_000
+"""Most values a config may expand to through YAML aliases (``*name``): a "billion laughs"
+file of nested aliases is refused before it is expanded."""
+
+
+def _yaml_error(where: str, error: yaml.YAMLError) -> ConfigError:
+    """A parser error as ``<where>, line L, column C: not valid YAML (...)``."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = " ".join(str(x) for x in (getattr(error, "context", None),
+                                     getattr(error, "problem", None)) if x) or str(error)
+    return ConfigError(f"{where}{at}: not valid YAML ({what}).")
+
+
+def _check_graph(root: yaml.Node, where: str) -> None:
+    """Raises ConfigError, naming the line, if the composed YAML contains itself (an anchor
+    cycle) or expands through its aliases to more than MAX_CONFIG_VALUES values."""
+    visited = 0
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            ancestors.discard(id(node))
+            continue
+        line = node.start_mark.line + 1
+        if id(node) in ancestors:
+            raise ConfigError(f"{where}, line {line}: the value anchored there contains itself "
+                              "through an alias (a YAML anchor cycle); expected plain nested "
+                              "settings.")
+        visited += 1
+        if visited > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{where}, line {line}: expands to more than {MAX_CONFIG_VALUES:,} "
+                              "values through its YAML aliases (*name); expected a config of "
+                              "plain settings: write values out instead of nesting aliases.")
+        if isinstance(node, yaml.ScalarNode):
+            continue
+        children = (node.value if isinstance(node, yaml.SequenceNode)
+                    else [part for pair in node.value for part in pair])
+        ancestors.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children))
+
+
+def _load_yaml(text: str, where: str) -> object:
+    """:func:`parse_yaml`, except that a syntax error is raised as the parser's YAMLError."""
+    loader = yaml.SafeLoader(text)
     try:
-        text = path.read_text(encoding="utf-8")
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_graph(node, where)
+        return loader.construct_document(node)
+    except ConfigError:
+        raise
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read; expected plain nested "
+                          "settings.") from None
+    except (ValueError, TypeError, OverflowError) as error:  # e.g. a date like 2020-13-45
+        raise ConfigError(f"{where}: a value cannot be read ({error}).") from None
+    finally:
+        loader.dispose()
+
+
+def parse_yaml(text: str, where: str) -> object:
+    """The value of a YAML document, checked for anchor cycles and alias bombs before it is
+    built (see :data:`MAX_CONFIG_VALUES`).
+
+    Args:
+        text: the YAML text.
+        where: what to name in errors (``config file run.yaml``).
+    Raises:
+        ConfigError: not valid YAML (naming the parser's line and column), an anchor cycle, an
+            alias expansion past the limit, or nesting too deep to parse.
+    """
+    try:
+        return _load_yaml(text, where)
+    except yaml.YAMLError as error:
+        raise _yaml_error(where, error) from None
+
+
+def _read_text(path: Path) -> str:
+    """The file's text (UTF-8, a leading BOM dropped), at most MAX_CONFIG_BYTES."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
         raise ConfigError(f"config file {path}: cannot read it ({error.strerror}).") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: expected at most {MAX_CONFIG_BYTES:,} bytes of "
+                          "settings, found a larger file; is it the right file?")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise ConfigError(f"config file {path}: not valid "
-                          f"{'JSON' if path.suffix == '.json' else 'YAML'}: {error}") from None
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}, line {line}: expected UTF-8 text, found byte "
+                          f"{raw[error.start]:#04x} that is not UTF-8; save the file as "
+                          "UTF-8.") from None
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (or JSON: ``.json``) file.
+
+    Raises:
+        ConfigError: the file cannot be read, is larger than MAX_CONFIG_BYTES, is not UTF-8, is
+            not valid YAML/JSON (naming the line), has an anchor cycle or an alias bomb, or does
+            not hold a mapping.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    where = f"config file {path}"
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{where}, line {error.lineno}, column {error.colno}: not valid "
+                              f"JSON ({error.msg}).") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: nested too deeply to read; expected plain nested "
+                              "settings.") from None
+    else:
+        data = parse_yaml(text, where)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping at the top, found "
+        raise ConfigError(f"{where}: expected a mapping at the top, found "
                           f"{type(data).__name__}.")
     return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """``data`` with ``KEY=VALUE`` overrides applied; dotted keys reach nested sections and
-    values are parsed as YAML (``steps=100``, ``data.split=time``, ``model.top_mlp=[32]``)."""
-    result = json.loads(json.dumps(data))  # a deep copy of plain data
+    values are parsed as YAML (``steps=100``, ``data.split=time``, ``model.top_mlp=[32]``); a
+    value that is not valid YAML is taken as the string it is."""
+    result = copy.deepcopy(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -122,7 +236,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section.")
         try:
-            node[leaf] = yaml.safe_load(text)
+            node[leaf] = _load_yaml(text, f"override {item!r}")
         except yaml.YAMLError:
             node[leaf] = text
     return result

@@ -12,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from dynemb.data.base import Batch, DataSource
 from dynemb.data.prefetch import Prefetcher, worker_batches
-from dynemb.errors import ConfigError
+from dynemb.errors import ConfigError, DynembError
 from dynemb.models.dlrm import DLRM
 from dynemb.train import checkpoints
 from dynemb.train.config import TrainConfig
@@ -31,6 +34,7 @@ from dynemb.train.report import memory_report, table_report, write_json
 from dynemb.train.setup import build_model, dense_optimizer, make_source
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,18 +58,26 @@ class Run:
     saved_step: int = -1
 
 
-def train(config: TrainConfig, *, resume: bool = False,
+def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           interactive: bool | None = None) -> dict:
     """Runs one training job (one process, or one rank of a torchrun job).
 
     Args:
         config: the run's configuration.
         resume: continue from the newest checkpoint in ``<out>/checkpoints`` up to
-            ``config.steps``.
+            ``config.steps`` (resharded when it was saved over another number of ranks).
+        overwrite: let a fresh run replace an earlier run in ``<out>`` (its checkpoints and
+            metrics are deleted); without it a fresh run refuses such a directory.
         interactive: show a progress bar (True) or log lines (False); default: whether stderr
             is a terminal.
     Returns:
-        The metrics written to ``<out>/metrics.json`` (the same dict on every rank).
+        The metrics written to ``<out>/metrics.json`` (the same dict on every rank); or, when
+        the newest checkpoint of a resumed run is already at ``config.steps``,
+        ``{"nothing_to_do": True, "out", "steps", "resumed_from"}`` (nothing is written).
+    Raises:
+        ConfigError: on every rank, before anything is written: ``<out>`` holds an earlier run
+            and neither ``resume`` nor ``overwrite`` is set, ``<out>`` cannot be written, or
+            the newest checkpoint is past ``config.steps``.
     """
     wall = time.perf_counter()
     torch.set_num_threads(config.threads)
@@ -74,10 +86,18 @@ def train(config: TrainConfig, *, resume: bool = False,
             raise ConfigError(f"TrainConfig.batch_size: expected a multiple of the world size "
                               f"{env.world_size} (samples per step over all ranks), found "
                               f"{config.batch_size}.")
-        run = _prepare(config, env, interactive, resume)
+        config = dataclasses.replace(config, out=str(Path(config.run_dir)))
+        point = _on_main(env, lambda: _claim(config, resume, overwrite))
+        if point is not None and point.step == config.steps:
+            logger.debug("nothing to do: the newest checkpoint, %s, is already at step %d",
+                        point.path, point.step)
+            return {"nothing_to_do": True, "out": config.out, "steps": config.steps,
+                    "resumed_from": point.step}
+        run = _prepare(config, env, interactive)
         try:
-            start = checkpoints.restore(run.out, run.model, run.optimizer) if resume else 0
-            if start:
+            start = 0
+            if point is not None:
+                start = checkpoints.restore(point, run.model, run.optimizer, env.world_size)
                 run.history = [h for h in checkpoints.previous_history(run.out)
                                if h["step"] <= start]
             _fit(run, start)
@@ -87,20 +107,53 @@ def train(config: TrainConfig, *, resume: bool = False,
     return metrics
 
 
-def _prepare(config: TrainConfig, env: Env, interactive: bool | None, resume: bool) -> Run:
-    out = Path(config.run_dir)
-    config = dataclasses.replace(config, out=str(out))
+def _on_main(env: Env, task: Callable[[], T]) -> T:
+    """Runs ``task`` on rank 0 and gives every rank its result; a DynembError it raises is
+    raised on every rank, so that no rank goes on alone into a collective."""
+    outcome: tuple[T | None, DynembError | None] = (None, None)
     if env.is_main:
-        if not resume:
-            checkpoints.clear(out)
+        try:
+            outcome = (task(), None)
+        except DynembError as error:
+            if not env.distributed:
+                raise
+            outcome = (None, error)
+    if env.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]  # type: ignore[return-value]
+
+
+def _claim(config: TrainConfig, resume: bool, overwrite: bool) -> checkpoints.ResumePoint | None:
+    """Rank 0: checks that the run may start in ``config.out`` (see
+    :mod:`dynemb.train.checkpoints`), then creates it and writes ``config.yaml``; returns the
+    checkpoint to resume from. Writes nothing when there is nothing to do."""
+    out = Path(config.out)
+    point = checkpoints.find_resume(out, config.steps) if resume else None
+    if point is not None and point.step == config.steps:
+        return point
+    if not resume:
+        checkpoints.check_fresh(out, overwrite)
+    try:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(config), encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot write the run directory ({error.strerror}: "
+                          f"{error.filename}); expected a directory dynemb train can create "
+                          "and write: choose another --out.") from None
+    return point
+
+
+def _prepare(config: TrainConfig, env: Env, interactive: bool | None) -> Run:
     source = make_source(config.data)
     model = build_model(config, source, env)
     progress = Progress(config.steps, enabled=env.is_main, interactive=interactive)
     logger.debug("rank %d: %s, %d dense and %d sparse features", env.rank, source.name,
                  len(source.dense_names), len(source.features))
-    return Run(config=config, env=env, out=out, source=source, model=model,
+    return Run(config=config, env=env, out=Path(config.out), source=source, model=model,
                optimizer=dense_optimizer(config, model), progress=progress)
 
 

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import torch
 
+from dynemb.errors import ConfigError
 from dynemb.models.dlrm import DLRM
 from dynemb.train.parallel import Env, all_max, all_sum
 
 _COUNTERS = ("size", "capacity", "lookups", "hits", "inserted", "evicted", "failed_inserts",
-             "admission_rejected")
+             "admission_rejected", "forgotten_sightings", "nonfinite_grads")
 
 
 def table_report(model: DLRM, env: Env) -> dict[str, dict[str, float]]:
     """Per table, over all ranks: rows held (``rows``), capacity, lookups, hit rate, inserts,
-    evictions, failed inserts and rejected admissions (collective under torchrun)."""
+    evictions, failed inserts, rejected admissions, admission sightings a full counter table
+    forgot, and gradient rows that were not finite (collective under torchrun)."""
     tables = model.embeddings.tables
     counts = torch.tensor([[getattr(t.stats(), c) for c in _COUNTERS] for t in tables.values()],
                           dtype=torch.float64, device=env.device)
@@ -70,13 +72,21 @@ def format_summary(metrics: dict) -> str:
                  f"wall {thr['wall_s']:.1f} s; peak memory "
                  f"{metrics['memory']['peak_rss_mib']:,.0f} MiB")
     for name, t in metrics["tables"].items():
-        lines.append(f"  table {name:<12} {t['rows']:>9,} rows of {t['capacity']:>9,}  "
-                     f"hit rate {_fmt(t['hit_rate'], 3)}  {t['evicted']:,} evicted")
+        line = (f"  table {name:<12} {t['rows']:>9,} rows of {t['capacity']:>9,}  "
+                f"hit rate {_fmt(t['hit_rate'], 3)}  {t['evicted']:,} evicted")
+        lost = [(t.get(k, 0), what) for k, what in (
+            ("failed_inserts", "failed inserts"), ("nonfinite_grads", "non-finite gradient rows"),
+            ("forgotten_sightings", "forgotten admission sightings")) if t.get(k, 0)]
+        lines.append(line + "".join(f"  {n:,} {what}" for n, what in lost))
     return "\n".join(lines)
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Writes ``data`` as indented JSON (NaN as null), atomically."""
+    """Writes ``data`` as indented JSON (NaN as null), atomically.
+
+    Raises:
+        ConfigError: the file cannot be written (naming it).
+    """
 
     def clean(value: object) -> object:
         if isinstance(value, float) and not math.isfinite(value):
@@ -88,5 +98,9 @@ def write_json(path: Path, data: dict) -> None:
         return value
 
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(clean(data), indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(clean(data), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot write it ({error.strerror}); expected a writable "
+                          "run directory with free space.") from None

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from dynemb.data import Prefetcher, SyntheticConfig, SyntheticData
+from dynemb.data import CriteoTSV, Prefetcher, SyntheticConfig, SyntheticData
 from dynemb.data.prefetch import worker_batches
+from dynemb.errors import InputError
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])
@@ -57,3 +58,17 @@ def test_a_worker_process_yields_the_same_batches_in_order():
         assert torch.equal(a.sparse.values, b.sparse.values)
         assert torch.equal(a.sparse.lengths, b.sparse.lengths)
         assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+
+
+def test_a_worker_process_raises_the_sources_error_with_its_own_message(tmp_path):
+    """A malformed line parsed in the worker reaches the trainer as the same InputError and
+    message (not wrapped with the worker's traceback)."""
+    path = tmp_path / "bad.tsv"
+    good = "\t".join(["1", *["3"] * 13, *["0a"] * 26]) + "\n"
+    path.write_text(good + good.replace("\t3\t", "\t--5\t", 1) + good * 3)
+    batches = worker_batches(CriteoTSV(path, eval_fraction=0.2), 1)
+    assert next(batches).size == 1
+    with pytest.raises(InputError) as info:
+        next(batches)
+    assert str(info.value).startswith(f"{path}:2, field 2 (i1): expected an integer")
+    assert "Traceback" not in str(info.value)

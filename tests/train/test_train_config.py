@@ -94,3 +94,48 @@ def test_cli_flags_override_the_file(tmp_path):
     assert (cfg.steps, cfg.batch_size, cfg.out) == (7, 32, "runs/b")
     assert cfg.data.source == "criteo:/data/day_0.tsv" and args.resume
     assert TrainConfig(data=DataConfig(source="criteo:/x/day_1.gz")).run_dir == "runs/criteo"
+
+
+BILLION_LAUGHS = "\n".join(
+    ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]) + "\n"
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("cycle.yaml", "steps: 3\ndata: &d\n  seed: *d\n",
+     r"cycle\.yaml, line 2: the value anchored there contains itself"),
+    ("cycle2.yaml", "model:\n  top_mlp: &l [1, *l]\n", r"cycle2\.yaml, line 2: .*anchor cycle"),
+    ("laughs.yaml", BILLION_LAUGHS, r"laughs\.yaml, line \d+: expands to more than 100,000"),
+    ("latin1.yaml", "steps: 3\nout: caf\xe9\n".encode("latin-1"),
+     r"latin1\.yaml, line 2: expected UTF-8 text, found byte 0xe9"),
+    ("syntax.yaml", "steps: 3\nmodel: {top_mlp: [1\n",
+     r"syntax\.yaml, line 3, column 1: not valid YAML"),
+    ("date.yaml", "out: 2020-13-45\n", r"date\.yaml: a value cannot be read"),
+    ("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", r"deep\.yaml: nested too deeply"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, r"deep\.json: nested too deeply"),
+    ("bad.json", '{"steps": 3,\n "x": }', r"bad\.json, line 2, column 7: not valid JSON"),
+    ("big.yaml", "# " + "x" * (1 << 20) + "\n", r"big\.yaml: expected at most 1,048,576 bytes"),
+])
+def test_hostile_config_files_raise_config_error_naming_the_file_and_line(tmp_path, name,
+                                                                          content, match):
+    """Anchor cycles, alias bombs, non-UTF-8 bytes, bad dates, deep nesting: a ConfigError
+    naming the file (and the parser's line), never a traceback or a hang."""
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=match):
+        load(TrainConfig, path)
+
+
+def test_yaml_values_that_are_not_json_survive_overrides(tmp_path):
+    """A date in the file used to crash the deep copy made for --set (json.dumps)."""
+    (tmp_path / "run.yaml").write_text("out: 2020-01-01\nsteps: 3\n")
+    with pytest.raises(ConfigError, match=r"TrainConfig\.out: expected a path string, found "
+                                          r"datetime\.date"):
+        load(TrainConfig, tmp_path / "run.yaml", ["batch_size=8"])
+    with pytest.raises(ConfigError, match=r"override 'out=&a \[\*a\]', line 1: .*anchor cycle"):
+        load(TrainConfig, overrides=["out=&a [*a]"])
+    assert load(TrainConfig, overrides=["out=[1"]).out == "[1"  # not YAML: the text itself
+    assert load(TrainConfig, overrides=["steps=&n 7"]).steps == 7  # anchors are fine

@@ -73,7 +73,7 @@ def test_checkpoints_are_saved_and_pruned(tmp_path):
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step-00000004", "step-00000006"]
     assert (out / "checkpoints" / "step-00000006" / "manifest.json").is_file()
-    assert main([*args, "--steps", "2"]) == 0  # a fresh run replaces the old checkpoints
+    assert main([*args, "--steps", "2", "--overwrite"]) == 0  # a fresh run replaces them
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
 
 
