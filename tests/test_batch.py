@@ -271,6 +271,17 @@ def test_float64_weights_that_overflow_float32_are_refused(big):
     SparseBatch(features=["a", "b"], values=i64(1, 2), lengths=i64(1, 1), weights=ok)
 
 
+def test_finite_weights_whose_sum_overflows_are_accepted():
+    """The finiteness check sums first (a NaN or inf makes the sum non-finite); finite weights
+    whose float32 sum overflows must still pass, and a bad one among them still be found."""
+    big = f32(3e38, 3e38, -3e38, -3e38)
+    SparseBatch(features=["a"], values=i64(1, 2, 3, 4), lengths=i64(4), weights=big)
+    assert dynemb.batch.all_finite(big) and not dynemb.batch.all_finite(f32(math.inf, -math.inf))
+    big[3] = math.nan
+    with _raises(r"weight 3 is nan"):
+        SparseBatch(features=["a"], values=i64(1, 2, 3, 4), lengths=i64(4), weights=big)
+
+
 def test_float64_weights_are_accepted():
     b = SparseBatch(features=["a"], values=i64(1, 2), lengths=i64(2),
                     weights=torch.tensor([0.5, 2.0], dtype=torch.float64))

@@ -2,21 +2,50 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import NoReturn
 
 import torch
 
-from dynemb.batch import check_keys
+from dynemb.batch import all_finite, check_keys
 from dynemb.config import OnFull, ScorePolicy
-from dynemb.errors import CapacityError, ConfigError, InputError
+from dynemb.errors import CapacityError, ConfigError, DynembError, InputError
 
 logger = logging.getLogger("dynemb.table.table")
 
 
+def writes(verb):
+    """Marks a table verb that may change the table: while it runs, and for good if anything
+    but a :class:`DynembError` escapes it (a KeyboardInterrupt or an out-of-memory error part
+    way through; dynemb's own errors are raised before a change or after a complete one),
+    ``interrupted`` is true and ``close()`` does not mark the table's ddr store clean."""
+
+    @functools.wraps(verb)
+    def run(self, *args, **kwargs):
+        self._writing += 1
+        try:
+            out = verb(self, *args, **kwargs)
+        except DynembError:
+            self._writing -= 1
+            raise
+        self._writing -= 1
+        return out
+
+    return run
+
+
 class TableChecks:
     """Input validation and the ``on_full`` policy of a :class:`~dynemb.DynamicTable`."""
+
+    _writing = 0  # verbs that may change the table running now, or interrupted (see ``writes``)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a call that changes the table is running or was interrupted part way (its
+        rows may be half written: ``close()`` then leaves the ddr store unmarked, torn)."""
+        return self._writing > 0
 
     def _refuse(self, failed: int, saved: tuple[int, Counter]) -> NoReturn:
         """Raises for an atomic call (``on_full`` RAISE) whose insert kernel could not place
@@ -68,8 +97,9 @@ class TableChecks:
     def _check_finite(self, what: str, t: torch.Tensor, verb: str) -> None:
         """Raises InputError unless ``t`` (2-D) is finite as float32, the dtype rows are stored
         in (a float64 1e300 would become inf)."""
-        bad = ~torch.isfinite(t.detach().to(torch.float32))
-        if bool(bad.any()):
+        as_stored = t.detach().to(torch.float32)
+        if not all_finite(as_stored):
+            bad = ~torch.isfinite(as_stored)
             row, col = (int(i) for i in torch.nonzero(bad)[0])
             rows = int(bad.any(dim=1).sum())
             raise InputError(f"table {self.name!r}: {verb}: {what} hold {rows} row(s) that are "

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.uint8: np.uint8}
 _ZEROS = 1 << 24  # bytes written per call where the filesystem cannot preallocate
+_STORE_FILES = ("rows", "keys", "scores", "digests", "written", "json", "clean", "json.tmp",
+                "clean.tmp")
+"""The files of a store (but its lock): :func:`ddr_file_bytes`'s, the header, the marker."""
 
 
 def ddr_file_bytes(layout: Layout, row_width: int) -> dict[str, int]:
@@ -230,11 +233,19 @@ class DdrFiles:
     def path(self, name: str) -> Path:
         return self.dir / f"{self.prefix}.{name}"
 
+    def __reduce_ex__(self, protocol):
+        """Refuses ``copy.deepcopy`` and pickling: a copy would share this store's lock and
+        files (two owners writing, one closing the other's lock)."""
+        raise ConfigError(f"{self._what}: a table with ddr files cannot be copied or pickled "
+                          "(its store has one owner); save its rows with dynemb.checkpoint, "
+                          "or copy a table without Storage.ddr_path.")
+
     # ------------------------------------------------------------------ opening
 
     def _store_files(self) -> list[Path]:
-        """The files of the store (everything with its prefix but the lock)."""
-        return sorted(p for p in self.dir.glob(self.prefix + ".*") if p != self.path("lock"))
+        """The files of the store that exist, but the lock (only its own names: another
+        table's prefix may start with this one's, e.g. tables "user" and "user.ddr")."""
+        return [p for p in map(self.path, _STORE_FILES) if p.exists()]
 
     def _choose(self, reopen: bool | str) -> bool:
         """Whether to reopen the store there (True) or create one (False)."""
@@ -383,10 +394,18 @@ class DdrFiles:
         os.replace(tmp, self.path(name))
         _fsync_dir(self.dir)
 
-    def close(self, header: dict | None) -> None:
+    def close(self, header: dict | None, *, clean: bool = True) -> None:
         """Syncs the files, writes ``header`` (if given) and the clean-shutdown marker naming
-        it, and releases the lock. Idempotent."""
+        it, and releases the lock; with ``clean`` False (rows that may be half written) only
+        releases the lock, leaving the store torn. Idempotent."""
         if self.closed:
+            return
+        if not clean:
+            logger.warning("%s: a call that changes the table was interrupted part way (or still "
+                           "runs), so the store is closed without the clean-shutdown marker and "
+                           "will not be reopened; restore the table from your last checkpoint.",
+                           self._what)
+            self._release()
             return
         if self.replaced():  # never write this table's header into another store
             logger.warning("%s: its files were removed or replaced while this table had them "

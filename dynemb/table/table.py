@@ -7,6 +7,7 @@ from collections import Counter
 
 import torch
 
+from dynemb.batch import all_finite
 from dynemb.config import Initializer, NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
@@ -15,7 +16,7 @@ from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.caching import Cache
-from dynemb.table.checks import TableChecks
+from dynemb.table.checks import TableChecks, writes
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import storage_layout
 from dynemb.table.reports import TableReports
@@ -131,6 +132,7 @@ class DynamicTable(TableChecks, TableReports):
         rids = self.locate(keys)
         return FindResult(values=self._values(keys, rids, out), found=rids >= 0)
 
+    @writes
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
         """Rows of ``keys``, creating (initialising) missing ones; evicts when a bucket is full.
 
@@ -144,6 +146,7 @@ class DynamicTable(TableChecks, TableReports):
         values = self._values(keys, lk.unique_slots[lk.inverse])
         return InsertResult(values=values, inserted=lk.inserted, evicted=lk.evicted)
 
+    @writes
     def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor,
                          scores: torch.Tensor | None = None,
                          optimizer_state: torch.Tensor | None = None) -> Evicted:
@@ -165,6 +168,7 @@ class DynamicTable(TableChecks, TableReports):
         self._mark_written(rids[ok])
         return lk.evicted
 
+    @writes
     def load_rows(self, keys: torch.Tensor, embeddings: torch.Tensor,
                   optimizer_state: torch.Tensor, scores: torch.Tensor) -> None:
         """Inserts or overwrites the rows of distinct ``keys`` (N,) exactly: embeddings (N, dim),
@@ -201,6 +205,7 @@ class DynamicTable(TableChecks, TableReports):
         ix.scores[slots] = scores.to(ix.scores)
         ix.written[slots] = self.step
 
+    @writes
     def erase(self, keys: torch.Tensor) -> int:
         """Removes ``keys`` that are present; returns how many were."""
         keys = torch.unique(self._keys(keys, "erase"))
@@ -217,6 +222,7 @@ class DynamicTable(TableChecks, TableReports):
                 self.cache.unflushed = True
         return n
 
+    @writes
     def export_batch(self, start: int, count: int, *, since_step: int | None = None) -> ExportBatch:
         """The rows in slots [start, start + count) (iterate start = 0, count, 2·count, ... up to
         ``capacity()`` to export the whole table). ``since_step``: only rows written (inserted,
@@ -238,12 +244,14 @@ class DynamicTable(TableChecks, TableReports):
                            optimizer_state=rows[:, self.dim:],
                            scores=ix.scores[slots].to(self.device))
 
+    @writes
     def flush(self) -> int:
         """CACHING: writes every dirty cached row (and every cached row's score) back to the
         backing store, and with ``ddr_path`` syncs its files to disk; returns the rows written.
         Other modes hold no copies: 0."""
         return 0 if self.cache is None else self.cache.flush()
 
+    @writes
     def prefetch(self, keys: torch.Tensor) -> int:
         """CACHING: brings the rows of ``keys`` that are in the backing store into the cache
         ahead of their lookup (new keys are created by the lookup itself); returns how many
@@ -285,13 +293,17 @@ class DynamicTable(TableChecks, TableReports):
         the cached rows back (CACHING), syncs the files, writes the header and the clean-shutdown
         marker that ``Storage(reopen=True | "auto")`` needs, and releases the store's lock. With
         ``delete_files``, a store this table created is removed instead (a reopened one is
-        closed as above). Idempotent; a closed table refuses further lookups. Tables still open
-        at interpreter exit are closed then."""
+        closed as above). A table whose call was interrupted part way (:attr:`interrupted`)
+        only releases the lock: its store stays unmarked, torn. Idempotent; a closed table
+        refuses further lookups. Tables still open at interpreter exit are closed then."""
         files = self.files
         if files is None or files.closed:
             return
         if delete_files and not files.reopened:
             files.delete()
+            return
+        if self.interrupted:  # its rows may be half written: never mark them clean
+            files.close(None, clean=False)
             return
         if not files.replaced():  # (files removed under the table: close() only warns)
             self.flush()
@@ -299,6 +311,7 @@ class DynamicTable(TableChecks, TableReports):
 
     # ------------------------------------------------------------------ module path
 
+    @writes
     def lookup(self, keys: torch.Tensor, *, train: bool, keep_evicted: bool = False) -> Lookup:
         """Resolves (N,) keys for a module: in training rows are created (through admission) and
         scores touched; in eval nothing changes. Evictions are always counted and their keys and
@@ -341,6 +354,7 @@ class DynamicTable(TableChecks, TableReports):
         lk.unique_slots, lk.epoch = now, self._epoch
         return now
 
+    @writes
     def apply_gradients(self, lk: Lookup, grads: torch.Tensor, *, clip: bool = True) -> None:
         """Applies the fused optimizer: ``grads`` (U, dim) are the summed gradients per entry.
 
@@ -368,8 +382,8 @@ class DynamicTable(TableChecks, TableReports):
         the lookup's rows whose gradient holds NaN or inf). With ``nonfinite`` SKIP those rows
         are -1 (not updated), like entries without a row. Counts nothing."""
         rids = self.current_slots(lk)
-        if grads.numel() == 0 or bool(torch.isfinite(grads.sum())):
-            return rids, 0  # a NaN or inf anywhere makes the sum non-finite: one cheap pass
+        if all_finite(grads):
+            return rids, 0
         bad = (rids >= 0) & ~torch.isfinite(grads).all(dim=1)
         n_bad = int(bad.sum())
         if n_bad and self.config.nonfinite == NonFinite.SKIP:

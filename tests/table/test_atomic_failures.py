@@ -13,6 +13,7 @@ import torch
 import dynemb
 from dynemb import Admission, Adam, OnFull, ScorePolicy, Storage, StorageMode
 from dynemb.errors import CapacityError
+from dynemb.kernels.index_numba import PIN_HELD
 
 POLICIES = [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP, ScorePolicy.CUSTOM,
             ScorePolicy.NO_EVICTION]
@@ -58,8 +59,10 @@ def _snapshot(t: dynemb.DynamicTable) -> dict:
     skip = {"failed_inserts"} | (PLACEMENT if t.cache is not None else set())
     stats = {k: v for k, v in dataclasses.asdict(t.stats()).items() if k not in skip}
     adm = None if t.admission is None else dict(zip(*(x.tolist() for x in t.admission.export())))
+    # Between calls no slot is pinned by a lookup (a left pin would make its row unevictable).
+    held = sum(int((ix.pins == PIN_HELD).sum()) for ix in (t.index, t.cache and t.cache.index) if ix)
     return {"rows": rows, "stats": stats, "step": t.step, "optimizer_step": t.optimizer.step,
-            "admission": adm}
+            "admission": adm, "held": held}
 
 
 def _assert_same(before: dict, after: dict) -> None:
@@ -68,7 +71,7 @@ def _assert_same(before: dict, after: dict) -> None:
         e2, s2, sc2 = after["rows"][k]
         assert torch.equal(emb, e2) and torch.equal(state, s2), f"row of key {k} changed"
         assert score == sc2, f"score of key {k} changed: {score} -> {sc2}"
-    for name in ("stats", "step", "optimizer_step", "admission"):
+    for name in ("stats", "step", "optimizer_step", "admission", "held"):
         assert after[name] == before[name], name
 
 
@@ -119,6 +122,21 @@ def test_a_call_that_raises_capacity_error_changes_nothing(backend, policy, mode
     # The table still works: the same call without its last new key succeeds.
     _call(verb, ebc, call[:-1], policy)
     assert set(call[:-1]) <= set(_snapshot(t)["rows"])
+
+
+@pytest.mark.parametrize("verb", ["find_or_insert", "forward"])
+def test_a_failing_caching_call_served_from_the_backing_store_changes_nothing(backend, verb):
+    """The call's present keys are not cached (ddr hits, which the lookup pins in the backing
+    store) and their bucket has no room for its new keys: the failure releases those pins."""
+    storage, bucket = MODES["caching"]
+    ebc = _module(ScorePolicy.LRU, storage, OnFull.RAISE, backend)
+    t = ebc.tables["t"]
+    present, call = _scenario(t, bucket, ScorePolicy.LRU)
+    t.cache.drop(K(present))  # written back: the present rows now live in the backing store only
+    before = _snapshot(t)
+    with pytest.raises(CapacityError, match="changed nothing"):
+        _call(verb, ebc, call, ScorePolicy.LRU)
+    _assert_same(before, _snapshot(t))
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -7,8 +7,10 @@ store on disk."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
+import pickle
 import gc
 import logging
 import os
@@ -42,6 +44,13 @@ def _child(command: str, directory: Path, *, prefix: tuple[str, ...] = ()) -> su
 
 def _files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
+
+
+def _closed_store(directory: Path) -> None:
+    """A store in ``directory`` holding rows 0..19, closed cleanly."""
+    t = dynemb.DynamicTable(C.config(directory))
+    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
+    t.close()
 
 
 def _need(cfg: dynemb.TableConfig) -> int:
@@ -141,10 +150,18 @@ def test_reopen_auto_creates_then_reopens(tmp_path):
         t.find_or_insert(torch.arange(3))
 
 
+def test_a_marker_that_does_not_name_the_header_on_disk_is_not_clean(tmp_path):
+    """The marker names its header by hash: a header written after it (or put there by hand)
+    does not pass for a clean store."""
+    _closed_store(tmp_path)
+    header = tmp_path / "t.ddr.json"
+    header.write_text(header.read_text().replace('"step": ', '"step": 1'))
+    with pytest.raises(ConfigError, match="not closed cleanly"):
+        dynemb.DynamicTable(C.config(tmp_path, reopen=True))
+
+
 def test_a_failed_reopen_leaves_the_store_clean_and_free(tmp_path):
-    t = dynemb.DynamicTable(C.config(tmp_path))
-    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
-    t.close()
+    _closed_store(tmp_path)
     other = dataclasses.replace(C.config(tmp_path, reopen=True), optimizer=dynemb.SGD(lr=0.1))
     with pytest.raises(ConfigError, match="expected"):
         dynemb.DynamicTable(other)
@@ -154,13 +171,37 @@ def test_a_failed_reopen_leaves_the_store_clean_and_free(tmp_path):
     t.close()
 
 
+def test_a_call_interrupted_part_way_leaves_the_store_torn(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (or out-of-memory error) inside a call leaves rows half written
+    (here: keys placed in the backing index, their rows never initialised): close(), as the
+    exit hook after Ctrl-C, must not mark such a store clean. dynemb's own errors are raised
+    before a change, so after one the store still closes cleanly."""
+    t = dynemb.DynamicTable(C.config(tmp_path))
+    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
+    with pytest.raises(dynemb.errors.InputError):
+        t.insert_or_assign(torch.arange(2), torch.full((2, 4), float("nan")))
+    assert not t.interrupted
+    t.close()
+    t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(t.store, "init", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        t.find_or_insert(torch.arange(100, 120))
+    assert t.interrupted
+    t.close()
+    assert not (tmp_path / "t.ddr.clean").exists()
+    with pytest.raises(ConfigError, match="not closed cleanly"):
+        dynemb.DynamicTable(C.config(tmp_path, reopen=True))
+
+
 # ---------------------------------------------------------------- one user at a time
 
 
 def test_a_second_process_cannot_open_a_store_in_use(tmp_path):
-    t = dynemb.DynamicTable(C.config(tmp_path))
-    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
-    t.close()
+    _closed_store(tmp_path)
     t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))  # this process holds it
     r = _child("open", tmp_path)
     assert r.returncode == C.EXIT_REFUSED, (r.stdout, r.stderr)
@@ -170,9 +211,7 @@ def test_a_second_process_cannot_open_a_store_in_use(tmp_path):
 
 
 def test_a_second_table_in_this_process_is_refused_until_the_first_is_gone(tmp_path):
-    t = dynemb.DynamicTable(C.config(tmp_path))
-    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
-    t.close()
+    _closed_store(tmp_path)
     t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))
     with pytest.raises(ConfigError, match="in use"):
         dynemb.DynamicTable(C.config(tmp_path, reopen=True))
@@ -183,6 +222,63 @@ def test_a_second_table_in_this_process_is_refused_until_the_first_is_gone(tmp_p
     with pytest.raises(ConfigError, match="not closed cleanly"):  # dropped, never closed
         dynemb.DynamicTable(C.config(tmp_path, reopen=True))
     t = dynemb.DynamicTable(C.config(tmp_path, reopen="auto"))  # the lock was released
+    t.close()
+
+
+def test_a_table_whose_name_extends_another_s_keeps_its_own_store(tmp_path):
+    """Table "user" (files user.ddr.*) and table "user.ddr" (files user.ddr.ddr.*) in one
+    directory: each store is only its own files, so "user" neither refuses nor (with
+    reopen="auto") deletes the files of "user.ddr" as if they were its torn store."""
+    other = dynemb.DynamicTable(dataclasses.replace(C.config(tmp_path), name="user.ddr"))
+    other.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
+    other.flush()
+    theirs = _files(tmp_path)
+    for reopen in (False, "auto"):
+        t = dynemb.DynamicTable(dataclasses.replace(C.config(tmp_path, reopen=reopen), name="user"))
+        t.close(delete_files=True)
+        assert _files(tmp_path) == theirs
+    assert torch.equal(other.find(torch.arange(20)).values, C.rows(torch.arange(20)))
+    other.close()
+
+
+def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):
+    """A child forked while a table is open (a data-loader worker, say) inherits the lock's
+    descriptor; it must drop it, or the store stays locked after the parent closes it."""
+    t = dynemb.DynamicTable(C.config(tmp_path))
+    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
+    go, wait = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: lives until the parent has reopened the store
+        os.close(wait)
+        os.read(go, 1)
+        os._exit(0)
+    os.close(go)
+    try:
+        t.close()
+        t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))  # the child is still alive
+        assert torch.equal(t.find(torch.arange(20)).values, C.rows(torch.arange(20)))
+        t.close()
+    finally:
+        os.close(wait)  # the child reads EOF and exits
+        os.waitpid(pid, 0)
+
+
+def test_a_table_with_ddr_files_cannot_be_copied_or_pickled(tmp_path):
+    """A deep copy (e.g. of a model, for an EMA or eval copy) shared the store's lock
+    descriptor and files: closing the copy released the original's lock and marked the store
+    clean under the copy's header. Copying and pickling are refused; the original is intact."""
+    ebc = dynemb.EmbeddingBagCollection([C.config(tmp_path)])
+    copy.deepcopy(ebc)  # not built yet: configs only, nothing to share
+    t = ebc.tables["t"]
+    t.insert_or_assign(torch.arange(20), C.rows(torch.arange(20)))
+    for attempt in (lambda: copy.deepcopy(ebc), lambda: copy.deepcopy(t), lambda: pickle.dumps(t)):
+        with pytest.raises(ConfigError, match="cannot be copied or pickled"):
+            attempt()
+    with pytest.raises(ConfigError, match="in use"):  # still locked by the original
+        dynemb.DynamicTable(C.config(tmp_path, reopen="auto"))
+    ebc.close()
+    t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))
+    assert torch.equal(t.find(torch.arange(20)).values, C.rows(torch.arange(20)))
     t.close()
 
 

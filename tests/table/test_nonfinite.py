@@ -166,6 +166,19 @@ def test_insert_or_assign_refuses_non_finite_rows(backend, what, value):
     assert torch.equal(_rows(t, [1, 2]), before) and t.size() == 2 and t.step == step
 
 
+def test_finite_rows_and_gradients_whose_sum_overflows_are_accepted(backend):
+    """The finiteness checks sum first: finite values near float32's largest, whose sum
+    overflows, are still finite (rows assigned, a gradient applied and not counted)."""
+    t = _table(backend, "sgd")
+    big = torch.full((3, 4), 3e38)
+    big[1] = -3e38
+    t.insert_or_assign(K(1, 2, 3), big)
+    assert torch.equal(t.find(K(1, 2, 3)).values, big)
+    lk = t.lookup(K(1, 2, 3), train=True)
+    t.apply_gradients(lk, torch.full((3, 4), 3e38))
+    assert t.stats().nonfinite_grads == 0 and t.stats().optimizer_step == 1
+
+
 @pytest.mark.parametrize("what", ["embeddings", "optimizer_state"])
 def test_load_rows_refuses_non_finite_rows(backend, what):
     t = _table(backend, "rowwise")

@@ -304,6 +304,10 @@ def test_storage_config_validation(tmp_path):
         Storage(mode=StorageMode.CACHING, cache_load_factor=1.0, ddr_path=str(tmp_path))
     with pytest.raises(ConfigError, match="reopen"):
         Storage(mode=StorageMode.HYBRID, cache_load_factor=0.5, ddr_path=str(tmp_path), reopen=True)
+    for reopen in ("yes", "AUTO", 1, None):  # True, False or "auto" only
+        with pytest.raises(ConfigError, match="reopen"):
+            Storage(mode=StorageMode.CACHING, cache_load_factor=0.5, ddr_path=str(tmp_path),
+                    reopen=reopen)
     with pytest.raises(ConfigError, match="reopen"):
         dynemb.DynamicTable(_config(Storage(mode=StorageMode.CACHING, cache_load_factor=0.5,
                                             ddr_path=str(tmp_path / "none"), reopen=True)))
