@@ -24,7 +24,6 @@ from dynemb.distributed.routing import (
 )
 from dynemb.distributed.sequence import ShardedEmbeddingCollection
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats, max_over_mean
-from dynemb.errors import DynembError
 from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection
 
 
@@ -51,7 +50,7 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     Returns:
         A :class:`ShardedEmbeddingBagCollection` or :class:`ShardedEmbeddingCollection`.
     """
-    world_size, rank = group_size_rank(group)
+    world_size, _ = group_size_rank(group)
     kinds = {EmbeddingBagCollection: ShardedEmbeddingBagCollection,
              EmbeddingCollection: ShardedEmbeddingCollection}
     cls = next((v for k, v in kinds.items() if isinstance(module, k)), None)
@@ -70,18 +69,8 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     if built:  # the shards map their own files (<ddr_path>/rank<r> over several ranks)
         module.close(delete_files=True)
     sharded = cls(list(module.configs), group=group, device=module.device,
-                  backend=module.backend_name, log_every=log_every)
+                  backend=module.backend_name, log_every=log_every)  # builds the shards
     sharded.train(module.training)
-    problem = None
-    try:  # build the shards now, on every rank, so a rank that cannot fails them all here
-        sharded.tables
-    except DynembError as e:
-        problem = f"dynemb.distributed.shard: rank {rank} could not build its shards: {e}"
-    try:
-        raise_together(problem, world_size, group)
-    except DynembError:
-        sharded.local.close(delete_files=True)
-        raise
     return sharded
 
 

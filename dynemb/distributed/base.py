@@ -41,10 +41,14 @@ class InputDist:
     pending: comm.Pending
     step: int
     """The collection's forward call this input belongs to (1, 2, ...; the same on every rank)."""
+    module: ShardedCollection
+    """The collection it came from (whose :meth:`~ShardedCollection.transport` names a peer lost
+    while the ids are in flight)."""
 
     def wait(self) -> InputDist:
         """Blocks until the ids have arrived; returns self (``pooled(input_dist(b).wait())``)."""
-        self.pending.wait()
+        with self.module.transport(comm.step_name(comm.PHASE_FORWARD, self.step), "id all-to-all"):
+            self.pending.wait()
         return self
 
     @property
@@ -67,12 +71,16 @@ class InputDist:
         return any(self.wants_wgrad(r) for r in range(len(self.headers.rows)))
 
     def received(self) -> list[list[torch.Tensor]]:
-        """``[t][r]``: the int64 payload of rank r for table t (after :meth:`wait`)."""
+        """``[t][r]``: the int64 payload of rank r for table t (waits for them)."""
+        self.wait()
         return comm.unpack(self.pending.wait(), self.recv_sizes)
 
 
 class ShardedCollection(torch.nn.Module):
     """Base of the row-wise sharded collections (see :mod:`dynemb.distributed`).
+
+    Building one is collective: every rank builds it with the same tables (checked), and each
+    builds its shards at once (a rank that cannot makes every rank raise ConfigError).
 
     Args:
         tables: the table configs, the same on every rank (checked collectively).
@@ -96,8 +104,7 @@ class ShardedCollection(torch.nn.Module):
         # the ranks agree the collection's identity (it tells apart two collections with equal
         # tables in the per-step header) while they check the configs: nothing per process
         identity = comm.check_same_configs(tables, self.world_size, self.rank, kind, group)
-        self.local = self.local_class([shard_config(c, self.world_size, self.rank) for c in tables],
-                                      device=device, backend=backend)
+        self.local = self._build_shards(tables, device, backend)
         self.configs: tuple[TableConfig, ...] = tuple(tables)
         self.device = self.local.device
         self.comm_device = comm.comm_device(group, self.device)
@@ -113,6 +120,35 @@ class ShardedCollection(torch.nn.Module):
         self._received = [[0, 0] for _ in tables]  # per table: ids, unique keys
         self._bytes_sent = 0
         self._scratch = {c.name: Scratch() for c in tables}
+
+    def _build_shards(self, tables: list[TableConfig], device: torch.device | str | None,
+                      backend: str | None) -> torch.nn.Module:
+        """This rank's shards, built now (their memory allocated, their ddr stores created) on
+        every rank together: if any rank cannot (a ddr store it cannot create, memory it cannot
+        allocate), every rank raises ConfigError here, having released what it built, instead
+        of one rank failing later, alone, while the others wait for it in a collective."""
+        local, error = None, None
+        try:
+            local = self.local_class([shard_config(c, self.world_size, self.rank)
+                                      for c in tables], device=device, backend=backend)
+            local.tables  # noqa: B018  (builds them)
+        except Exception as e:  # noqa: BLE001  (raised on every rank, below)
+            error = e
+        problem = None if error is None else (
+            f"{type(self).__name__} (rank {self.rank}): could not build its shards: {error}")
+        try:
+            comm.raise_together(problem, self.world_size, self.group)
+        except DynembError as e:
+            if local is not None and error is None:
+                local.close(delete_files=True)
+            raise e from error
+        return local
+
+    def close(self, *, delete_files: bool = False) -> None:
+        """Closes this rank's shards (local, not collective): flushes and releases their ddr
+        stores, marking them cleanly closed, as ``EmbeddingBagCollection.close`` does. The
+        collection cannot be used afterwards."""
+        self.local.close(delete_files=delete_files)
 
     def scratch(self, name: str) -> Scratch:
         """Table ``name``'s reusable gradient buffer."""
@@ -161,19 +197,24 @@ class ShardedCollection(torch.nn.Module):
         with self.transport(comm.step_name(comm.PHASE_FORWARD, step), "id all-to-all"):
             pending = self.all_to_all(send, splits, [sum(row) for row in recv])
         return InputDist(batch=batch, requests=requests, headers=headers, recv_sizes=recv,
-                         flags=flags, pending=pending, step=step)
+                         flags=flags, pending=pending, step=step, module=self)
 
     def check_backward(self, inp: InputDist) -> None:
         """Collective, first thing in backward: a header exchange of the forward header's size
         saying "backward of step n", so a rank that skipped this backward (and is already in
         the next forward's header) meets a header, not the gradient all-to-all, and every rank
         raises DynembError naming it instead of gloo aborting on mismatched sizes."""
+        self._check_point(comm.PHASE_BACKWARD, inp.step, inp.flags)
+
+    def _check_point(self, phase: int, step: int, flags: int = 0) -> None:
+        """Collective: a header exchange (of the forward header's size) saying that this rank is
+        at ``phase`` of ``step``; every rank raises DynembError unless all are."""
         self._check_usable()
         zero = [[(0, 0, 0)] * self.world_size for _ in self.configs]
-        with self.transport(comm.step_name(comm.PHASE_BACKWARD, inp.step), "header exchange"):
+        with self.transport(comm.step_name(phase, step), "header exchange"):
             headers = comm.exchange_headers(
-                (comm.STATUS_OK, inp.flags, self._digest, self.world_size, comm.PHASE_BACKWARD,
-                 inp.step), self.world_size, zero, self.group, self.comm_device)
+                (comm.STATUS_OK, flags, self._digest, self.world_size, phase, step),
+                self.world_size, zero, self.group, self.comm_device)
         self._check_same_point(headers)
 
     @contextlib.contextmanager
@@ -283,9 +324,8 @@ class ShardedCollection(torch.nn.Module):
             for i, t in enumerate(strict):
                 bad = owners[t].table.gradient_rows(owners[t].lookup, grads[t].float())[1]
                 sums[len(clipped) + i * self.world_size + self.rank] = bad
-            sums = sums.to(self.comm_device)
-            with self.transport("backward", "all_reduce of clipping norms and non-finite counts"):
-                dist.all_reduce(sums, group=self.group, async_op=True).wait()
+            sums = sums.to(self.comm_device)  # (the callers report a transport failure here)
+            dist.all_reduce(sums, group=self.group, async_op=True).wait()
             sums = sums.cpu()
             bad = sums[len(clipped):].view(len(strict), self.world_size)
             if bool((bad > 0).any()):
@@ -328,8 +368,7 @@ class ShardedCollection(torch.nn.Module):
         leaving the others hanging. The failing rank raises its own error.
         """
         point = comm.step_name(comm.PHASE_FORWARD, inp.step)
-        with self.transport(point, "id all-to-all"):
-            received = inp.received()
+        received = inp.received()
         error: Exception | None = None
         owners: list[OwnerTable] = []
         try:
@@ -386,13 +425,17 @@ class ShardedCollection(torch.nn.Module):
     def routing_stats(self) -> RoutingStats:
         """Collective (every rank calls it): per table and rank, the ids and unique keys
         received since the collection was built (or :meth:`reset_routing_stats`) and the rows
-        stored now, with their max/mean ratios; and the bytes each rank sent."""
+        stored now, with their max/mean ratios; and the bytes each rank sent.
+
+        A header exchange first checks that every rank is here, after the same step (a rank
+        still owing a backward raises DynembError on every rank instead of meeting it with
+        another collective)."""
+        self._check_point(comm.PHASE_STATS, self._calls)
         mine = [v for acc, c in zip(self._received, self.configs)
                 for v in (*acc, self.tables[c.name].size())] + [self._bytes_sent]
         send = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
         out = [torch.empty_like(send) for _ in range(self.world_size)]
-        self._check_usable()
-        with self.transport(f"routing_stats after step {self._calls}", "all-gather"):
+        with self.transport(comm.step_name(comm.PHASE_STATS, self._calls), "all-gather"):
             dist.all_gather(out, send, group=self.group, async_op=True).wait()
         rows = [o.tolist() for o in out]
         tables = {c.name: TableRoutingStats(

@@ -132,7 +132,9 @@ F_WANTS_WGRAD = 8
 
 PHASE_FORWARD = 1
 PHASE_BACKWARD = 2
-PHASES = {PHASE_FORWARD: "forward", PHASE_BACKWARD: "backward"}
+PHASE_STATS = 3
+PHASES = {PHASE_FORWARD: "forward of step", PHASE_BACKWARD: "backward of step",
+          PHASE_STATS: "routing_stats after step"}
 
 H_STATUS, H_FLAGS, H_DIGEST, H_WORLD, H_PHASE, H_STEP = range(6)
 HEADER = 6
@@ -159,7 +161,7 @@ def ranks_text(ranks: Sequence[int]) -> str:
 
 def step_name(phase: int, step: int) -> str:
     """``"forward of step 3"``: a point in a collection's life (steps count forward calls)."""
-    return f"{PHASES.get(phase, f'phase {phase}')} of step {step}"
+    return f"{PHASES.get(phase, f'phase {phase} of step')} {step}"
 
 
 class TransportError(RuntimeError):

@@ -77,8 +77,9 @@ def environment(device: str = "cpu", timeout_s: float = 600.0) -> Iterator[Env]:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         made = True
     rank = dist.get_rank() if world > 1 else 0
+    env = Env(rank=rank, world_size=world, device=_device(device, local_rank))
     try:
-        yield Env(rank=rank, world_size=world, device=_device(device, local_rank))
+        yield env
     except BaseException:
         if made and dist.is_initialized():
             dist.destroy_process_group()  # no barrier: the other ranks may be stuck elsewhere
@@ -86,8 +87,11 @@ def environment(device: str = "cpu", timeout_s: float = 600.0) -> Iterator[Env]:
     if made and dist.is_initialized():
         # Every rank is done before any tears its group down: a rank exiting while a peer's
         # gloo connection is still open made the peer abort at exit now and then.
-        dist.barrier()
-        dist.destroy_process_group()
+        try:
+            with _collective(env, "the barrier that ends the run"):
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Spawned jobs of the robustness tests: ranks that skip a backward, call forward twice, die,
-exit or hang mid-run, and collections built on a subgroup before one on the whole world.
+exit or hang mid-run, collections built on a subgroup before one on the whole world, and a rank
+that cannot build its shards.
 
 Unlike ``_harness.spawn`` a rank here may be killed (or kill itself): every rank saves its results
 after each scenario (``<out>/rank<r>.pt``), the parent waits for the job with a deadline, kills
@@ -22,8 +23,9 @@ import torch.multiprocessing as mp
 import dynemb
 import _harness as H
 
+# table a's max_grad_norm puts the optimizers' all-reduce into every backward (a victim dies there)
 TABLES = [dynemb.TableConfig(name="a", dim=4, features=["fa"], capacity=256,
-                             optimizer=dynemb.Adam(lr=0.05)),
+                             optimizer=dynemb.Adam(lr=0.05, max_grad_norm=10.0)),
           dynemb.TableConfig(name="b", dim=3, features=["fb"], capacity=256,
                              pooling=dynemb.PoolingMode.MEAN)]
 
@@ -83,14 +85,74 @@ def _steps_job(rank: int, world_size: int, results: dict, save) -> None:
     # a call refused on every rank is not a step: both collections go on from where they were
     results["usable_after"] = outcome(lambda: (train(m, range(5, 7), rank),
                                                train(ec, range(5, 7), rank)))
+    save()
+    results["grad_mismatch"] = outcome(lambda: _grad_on_all_but_one(m, rank))
+    results["twice_per_step"] = outcome(lambda: _twice_per_step(m, rank))
+    save()
+    _stats_after_skip(rank, world_size, results)
+    save()
+    _build_fails(rank, world_size, results)
+
+
+def _grad_on_all_but_one(m, rank: int) -> None:
+    """Rank 0 calls forward under torch.no_grad(), the others with grad (and backward)."""
+    if rank == 0:
+        with torch.no_grad():
+            m(batch(7, rank))
+    else:
+        loss(m(batch(7, rank))).backward()
+
+
+def _twice_per_step(m, rank: int) -> None:
+    """Two forward calls per step, one loss over both: two backwards, in the same order on
+    every rank (autograd's), so every rank is at the same point each time."""
+    for step in range(8, 10):
+        first, second = m(batch(step, rank)), m(batch(step + 50, rank))
+        (loss(first) + 2 * loss(second)).backward()
+
+
+def _stats_after_skip(rank: int, world_size: int, results: dict) -> None:
+    """The last rank skips the last backward and goes on to ``routing_stats`` (another
+    collective) while the others wait in that backward; on a group with a short timeout, so
+    that a rank left waiting fails this scenario, not the job."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=20))
+    m = dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES), group=group)
+    last = world_size - 1
+    results["stats_after_skip"] = outcome(lambda: (
+        train(m, range(1, 3), rank, skip_backward=lambda s: s == 2 and rank == last),
+        m.routing_stats()))
+    results["stats_again"] = outcome(m.routing_stats)
+
+
+def _build_fails(rank: int, world_size: int, results: dict) -> None:
+    """The last rank cannot allocate its shards (a RuntimeError, as torch's allocators raise):
+    every rank must raise, none wait for it. Last in the job: before the fix the others waited
+    until the failed rank left."""
+    import dynemb.nn.modules as modules  # noqa: PLC0415
+
+    class NoMemory(modules.DynamicTable):
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 805306368 bytes")
+
+    real = modules.DynamicTable
+    if rank == world_size - 1:
+        modules.DynamicTable = NoMemory
+    try:
+        results["build_fails"] = outcome(
+            lambda: dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES)))
+    finally:
+        modules.DynamicTable = real
 
 
 def _subgroup(rank: int, world_size: int, results: dict) -> None:
-    """Ranks 0 and 1 build (and train) a collection on their own group first; then every rank
-    builds the equivalence case's collection on the whole world and trains it."""
-    pair = dist.new_group([0, 1])  # collective over the world, even for the ranks outside it
-    if rank < 2:
-        sub = dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES), group=pair)
+    """Ranks 0 and 1 build a collection on their own group, ranks 1 and 2 one on theirs (rank 1
+    builds both: the groups overlap), and each pair trains its own; then every rank builds the
+    equivalence case's collection on the whole world and trains it."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([1, 2])]  # collective over the world
+    subs = [dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES), group=pair)
+            for i, pair in enumerate(pairs) if rank in (i, i + 1)]
+    for sub in subs:
         train(sub, range(1, 3), rank)
     case = SUBGROUP_CASE
     steps = [H.local_slices(case, s, world_size) for s in range(case.steps)]
@@ -105,8 +167,12 @@ SUBGROUP_CASE = next(c for c in H.cases() if c.name == "hash_roundrobin-adam")
 def _victim_step(rank: int, world_size: int, results: dict, save, when: str, victim: int,
                  how: str, timeout_s: float) -> None:
     """Trains 4 steps on a group with collective timeout ``timeout_s``; at step 3 the victim
-    rank dies (``how``: kill, exit, hang) at the start of forward (``when`` = forward) or
-    between forward and backward (``when`` = backward).
+    rank dies (``how``: kill, exit, hang) before the others build the collection
+    (``when`` = build; they wait in its first collective), at the start of forward (``forward``),
+    after
+    its forward header in place of its id all-to-all (``ids``), between forward and backward
+    (``backward``), or after its gradient all-to-all in place of the optimizers' all-reduce
+    (``optimizer``).
 
     A first collection on the default group (long timeout) compiles the kernels, so no rank is
     late by more than a short timeout before the victim's step.
@@ -114,14 +180,23 @@ def _victim_step(rank: int, world_size: int, results: dict, save, when: str, vic
     train(dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES)), range(1, 3), rank)
     dist.barrier()
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    if when == "build":
+        if rank == victim:
+            _die(how)
+        results["lost"] = outcome(lambda: dynemb.distributed.shard(
+            dynemb.EmbeddingBagCollection(TABLES), group=group))
+        return
     m = dynemb.distributed.shard(dynemb.EmbeddingBagCollection(TABLES), group=group)
     train(m, range(1, 3), rank)
+    if rank == victim and when in ("ids", "optimizer"):  # the first such call of step 3
+        setattr(m, "all_to_all" if when == "ids" else "apply_optimizers",
+                lambda *args, **kwargs: _die(how))
 
     def fail() -> None:
         if rank == victim and when == "forward":
             _die(how)
         out = m(batch(3, rank))
-        if rank == victim:
+        if rank == victim and when == "backward":
             _die(how)
         loss(out).backward()
         train(m, range(4, 6), rank)
@@ -131,22 +206,28 @@ def _victim_step(rank: int, world_size: int, results: dict, save, when: str, vic
     results["again"] = outcome(lambda: m(batch(9, rank)))
 
 
-def _dense_victim(rank: int, world_size: int, results: dict, save, victim: int) -> None:
-    """``dynemb train``'s own collectives: the victim is killed before the dense gradients'
-    all-reduce of the second step."""
-    from dynemb.train.parallel import Env, sum_gradients  # noqa: PLC0415
+def _dense_victim(rank: int, world_size: int, results: dict, save, victim: int, at: str,
+                  port: int) -> None:
+    """``dynemb train``'s own collectives, in a group that ``environment`` makes as under
+    torchrun: the victim is killed before the dense gradients' all-reduce of the second step
+    (``at`` = step) or at the end of the run, before the barrier that ends it (``end``)."""
+    from dynemb.train.parallel import environment, sum_gradients  # noqa: PLC0415
 
-    env = Env(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port))
     params = [torch.nn.Parameter(torch.ones(3))]
 
-    def steps() -> None:
-        for step in range(2):
-            if rank == victim and step == 1:
+    def run() -> None:
+        with environment("cpu", timeout_s=60) as env:
+            for step in range(2):
+                if rank == victim and (step, at) == (1, "step"):
+                    _die("kill")
+                params[0].grad = torch.full((3,), float(rank))
+                sum_gradients(env, params)
+            if rank == victim and at == "end":
                 _die("kill")
-            params[0].grad = torch.full((3,), float(rank))
-            sum_gradients(env, params)
 
-    results["lost"] = outcome(steps)
+    results["lost"] = outcome(run)
 
 
 def _die(how: str) -> None:

@@ -46,11 +46,16 @@ def _ddr_job(rank: int, out: Path, results: dict) -> None:
     batch = dynemb.SparseBatch(features=["g"], values=keys, lengths=torch.full((8,), 5))
     sharded(batch).values().sum().backward()
     t = sharded.tables["t"]
+    results["rows"] = export_rows(t)
+    results["ddr_files"] = sorted(str(p) for p in t.files.dir.glob("t.ddr.*"))
+    sharded.close()
+
+
+def export_rows(t: dynemb.DynamicTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, embeddings, optimizer state) of every row of ``t``, sorted by key."""
     e = t.export_batch(0, t.capacity())
     order = torch.argsort(e.keys)
-    results["rows"] = (e.keys[order], e.embeddings[order], e.optimizer_state[order])
-    results["ddr_files"] = sorted(str(p) for p in t.files.dir.glob("t.ddr.*"))
-    sharded.local.close()
+    return e.keys[order], e.embeddings[order], e.optimizer_state[order]
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, how: str) -> None:

@@ -1,8 +1,9 @@
 """Sharded collections under misuse and failure: ranks at different steps or phases (a skipped
-backward, an extra forward) raise DynembError on every rank naming the rank and the step; a rank
-that is killed, exits or hangs mid-run is named on the surviving ranks within the collective
-timeout; collections built on a subgroup first do not keep the world from training together;
-and ``dynemb train`` takes its collective timeout from ``TrainConfig.timeout_s``.
+backward, an extra forward, routing_stats while another rank owes a backward) raise DynembError
+on every rank naming the rank and the step; a rank that is killed, exits or hangs mid-run is
+named on the surviving ranks within the collective timeout; a rank that cannot build its shards
+fails every rank; collections built on a subgroup first do not keep the world from training
+together; and ``dynemb train`` takes its collective timeout from ``TrainConfig.timeout_s``.
 
 Every job is spawned (gloo on 127.0.0.1, one torch thread per rank) by ``_faults.spawn``.
 """
@@ -80,10 +81,49 @@ def test_the_collections_go_on_after_a_step_mismatch(steps_job, world_size):
         assert res["usable_after"][0] == "ok", (r, res["usable_after"])
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_grad_on_one_rank_raises_on_every_rank(steps_job, world_size):
+    """Rank 0 calls forward under torch.no_grad(), the others with grad: every rank raises
+    InputError naming the modes, and nothing is counted as a step (the next scenario, two
+    calls per step, runs on)."""
+    modes = str(["train+no_grad"] + ["train+grad"] * (world_size - 1))
+    for r, res in steps_job(world_size).items():
+        kind, msg, _ = res["grad_mismatch"]
+        assert kind == "InputError" and modes in msg, (r, kind, msg)
+        assert res["twice_per_step"][0] == "ok", (r, res["twice_per_step"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_routing_stats_while_a_rank_owes_a_backward_raises_on_every_rank(steps_job, world_size):
+    """The last rank skips the last step's backward and calls routing_stats (before: the others
+    waited in the backward header until the collective timeout, and the group was lost); the
+    collection is usable afterwards."""
+    last = world_size - 1
+    others = "rank 0" if world_size == 2 else "ranks 0, 1"
+    ranks = steps_job(world_size)
+    _all_raise(ranks, "stats_after_skip", [
+        f"{others} at backward of step 2", f"rank {last} at routing_stats after step 2"])
+    for r, res in ranks.items():
+        assert res["stats_again"][0] == "ok", (r, res["stats_again"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_cannot_build_its_shards_fails_every_rank(steps_job, world_size):
+    """The last rank's allocation fails (a RuntimeError, not a DynembError): every rank raises
+    ConfigError naming it (before: only that rank raised, the others waited for it)."""
+    last = world_size - 1
+    for r, res in steps_job(world_size).items():
+        kind, msg, _ = res["build_fails"]
+        assert kind == "ConfigError", (r, kind, msg)
+        assert f"(rank {last}): could not build its shards: DefaultCPUAllocator" in msg, msg
+        assert (r == last) or f"rank(s) [{last}] failed" in msg, msg
+
+
 def test_a_collection_on_a_subgroup_first_does_not_break_the_world(steps_job):
-    """Ranks 0 and 1 build and train a collection on their own group; then all 3 ranks build one
-    on the world (before: its digest counted collections per process, so rank 2 disagreed and
-    every forward raised ConfigError). It trains exactly as one process would."""
+    """Ranks 0 and 1 build and train a collection on their own group, ranks 1 and 2 on another
+    (overlapping) one; then all 3 ranks build one on the world (before: its digest counted
+    collections per process, so the ranks disagreed and every forward raised ConfigError). It
+    trains exactly as one process would."""
     ranks = steps_job(3)
     for r, res in ranks.items():
         assert res["subgroup"][0] == "ok", (r, res["subgroup"])
@@ -103,12 +143,15 @@ def test_a_collection_on_a_subgroup_first_does_not_break_the_world(steps_job):
             torch.testing.assert_close(got, ref["rows"][table.name][field], **CLOSE)
 
 
-@pytest.mark.parametrize("world_size,victim,when,how", [
-    (2, 1, "forward", "kill"),   # the survivor waits in the forward header
-    (3, 0, "backward", "kill"),  # the survivors wait in the backward header; rank 0 held the store
-    (2, 0, "backward", "exit"),  # a rank that leaves without a word
+@pytest.mark.parametrize("world_size,victim,when,how,where", [
+    (2, 1, "forward", "kill", "forward of step 3 (header exchange)"),  # the survivor waits here
+    (2, 1, "ids", "kill", "forward of step 3 (id all-to-all)"),  # in InputDist.wait()
+    (3, 0, "backward", "kill", "backward of step 3 (header exchange)"),  # rank 0 held the store
+    (2, 0, "backward", "exit", "backward of step 3 (header exchange)"),  # leaves without a word
+    (2, 0, "optimizer", "kill", "backward of step 3 (optimizer all-reduce)"),  # clipping norms
+    (2, 0, "build", "kill", "the shard-time check"),  # while the survivor builds the collection
 ])
-def test_a_lost_peer_is_named_on_every_survivor(tmp_path, world_size, victim, when, how):
+def test_a_lost_peer_is_named_on_every_survivor(tmp_path, world_size, victim, when, how, where):
     ranks = F.spawn("victim", world_size, tmp_path, timeout_s=LOSS_TIMEOUT_S, victim=victim,
                     when=when, how=how)  # on a group with this timeout
     survivors = [r for r in range(world_size) if r != victim]
@@ -118,9 +161,11 @@ def test_a_lost_peer_is_named_on_every_survivor(tmp_path, world_size, victim, wh
         assert "__error__" not in res, res["__error__"]
         kind, msg, seconds = res["lost"]
         assert kind == "DynembError", (r, kind, msg)
-        assert f"(rank {r}): lost rank {victim} during {when} of step 3" in msg, msg
+        assert f"(rank {r}): lost rank {victim} during {where}:" in msg, msg
         assert "restart" in msg and "Transport error" in msg
         assert seconds < LOSS_TIMEOUT_S, seconds  # the victim died 1 s into the step
+        if when == "build":
+            continue
         kind, msg, seconds = res["again"]  # the collection refuses at once afterwards
         assert kind == "DynembError" and "an earlier collective" in msg and seconds < 1.0
 
@@ -136,13 +181,16 @@ def test_a_hung_peer_is_named_after_the_collective_timeout(tmp_path):
     assert 2.0 <= seconds < 10.0, seconds
 
 
-def test_dynemb_train_collectives_name_a_lost_rank(tmp_path):
-    """The training loop's own collectives (here the dense gradients' all-reduce) say which rank
-    vanished too, instead of gloo's RuntimeError."""
-    ranks = F.spawn("dense_victim", 2, tmp_path, victim=1)
+@pytest.mark.parametrize("at,where", [("step", "the dense gradients' all-reduce"),
+                                      ("end", "the barrier that ends the run")])
+def test_dynemb_train_collectives_name_a_lost_rank(tmp_path, at, where):
+    """The training loop's own collectives (the dense gradients' all-reduce; the barrier before
+    a group made by ``environment`` is torn down) say which rank vanished too, instead of gloo's
+    RuntimeError."""
+    ranks = F.spawn("dense_victim", 2, tmp_path, victim=1, at=at, port=H.free_port())
     kind, msg, seconds = ranks[0]["lost"]
     assert kind == "DynembError", (kind, msg)
-    assert "dynemb train (rank 0): lost rank 1 during the dense gradients' all-reduce" in msg
+    assert f"dynemb train (rank 0): lost rank 1 during {where}" in msg, msg
     assert seconds < LOSS_TIMEOUT_S
 
 

@@ -65,9 +65,7 @@ def test_shard_peak_memory_is_the_shards(tmp_path):
         # each rank closed its store cleanly: it reopens with the rows the rank held
         reopened = dynemb.DynamicTable(dataclasses.replace(
             mine, storage=dataclasses.replace(mine.storage, reopen=True)))
-        e = reopened.export_batch(0, reopened.capacity())
-        order = torch.argsort(e.keys)
-        got = (e.keys[order], e.embeddings[order], e.optimizer_state[order])
+        got = M.export_rows(reopened)
         assert all(torch.equal(a, b) for a, b in zip(got, run["rows"]))
         keys.append(got[0])
         reopened.close()
@@ -76,11 +74,33 @@ def test_shard_peak_memory_is_the_shards(tmp_path):
 
 
 
-def test_shard_raises_when_a_rank_cannot_build_its_shards(group_of_one, tmp_path):
-    """The shards are built inside shard(), every rank together: a store another table holds is
-    a ConfigError there (raised on every rank), not at the first forward."""
+@pytest.mark.parametrize("how", ["shard", "direct"])
+def test_shard_raises_when_a_rank_cannot_build_its_shards(group_of_one, tmp_path, how):
+    """The shards are built when the sharded collection is, every rank together, whether by
+    shard() or directly from configs: a store another table holds is a ConfigError there
+    (raised on every rank), not at the first forward (nor, alone, at routing_stats)."""
     cfg = M.ddr_table(str(tmp_path))
     holder = dynemb.DynamicTable(cfg)
     with pytest.raises(dynemb.errors.ConfigError, match="could not build its shards.*in use"):
-        dynemb.distributed.shard(dynemb.EmbeddingBagCollection([cfg]))
+        if how == "shard":
+            dynemb.distributed.shard(dynemb.EmbeddingBagCollection([cfg]))
+        else:
+            dynemb.distributed.ShardedEmbeddingBagCollection([cfg])
     holder.close()
+
+
+def test_a_sharded_collection_closes_its_ddr_stores(group_of_one, tmp_path):
+    """close() flushes and releases this rank's ddr stores: they reopen with the trained rows
+    (before: sharded collections had no close())."""
+    cfg = M.ddr_table(str(tmp_path))
+    sharded = dynemb.distributed.ShardedEmbeddingCollection([cfg])
+    batch = dynemb.SparseBatch(features=["g"], values=torch.arange(200), lengths=torch.full(
+        (40,), 5))
+    sum(v.values.sum() for v in sharded(batch).values()).backward()
+    want = M.export_rows(sharded.tables["t"])
+    sharded.close()
+    reopened = dynemb.DynamicTable(dataclasses.replace(
+        cfg, storage=dataclasses.replace(cfg.storage, reopen=True)))
+    got = M.export_rows(reopened)
+    reopened.close()
+    assert got[0].numel() == 200 and all(torch.equal(a, b) for a, b in zip(got, want))
