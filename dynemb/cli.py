@@ -28,16 +28,19 @@ from pathlib import Path
 
 from dynemb.checkpoint.inspect import describe, verify_all
 from dynemb.checkpoint.manifest import read_manifest
-from dynemb.errors import CheckpointError, DynembError
+from dynemb.errors import CheckpointError, ConfigError, DynembError
 from dynemb.train import TrainConfig, format_summary, from_dict, train
 from dynemb.train.config_io import apply_overrides, read_file
 
 
-def _set(data: dict, dotted: str, value: object) -> None:
+def _set(data: dict, dotted: str, value: object, flag: str) -> None:
     node = data
     *parents, leaf = dotted.split(".")
     for part in parents:
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{flag}: sets {dotted}, but {part!r} is {repr(node)[:40]} in "
+                              "the config, expected a mapping of settings.")
     node[leaf] = value
 
 
@@ -83,7 +86,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
                       ("batch_size", "batch_size"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
-            _set(data, key, value)
+            _set(data, key, value, flag.replace("_", "-"))
     return from_dict(TrainConfig, data)
 
 
@@ -141,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``dynemb`` with ``argv`` (default: the process's arguments); returns the exit code
-    (2 for a bad config or input, with the error on stderr)."""
+    (2 for a bad config or input, with the error on stderr; 141 when stdout's reader closed the
+    pipe early, as a shell reports SIGPIPE)."""
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
@@ -151,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dynemb {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left early (``dynemb inspect PATH | head``)
+        try:  # no second error when the interpreter flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
 
 
 if __name__ == "__main__":

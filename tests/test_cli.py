@@ -4,6 +4,8 @@ and config files, an unwritable --out; and --resume at another world size reshar
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -128,7 +130,16 @@ BAD_INPUTS = {
     "non-UTF-8 config": (lambda d: ["--config", str(_write(d / "g.yaml", b"steps: 3\n\xff\n"))],
                          r"g.yaml, line 2: expected UTF-8 text"),
     "out under a file": (lambda d: ["--out", str(_write(d / "h", b"") / "run")],
-                         r"h/run: cannot write the run directory"),
+                         r"h/run: cannot use the run directory"),
+    # an --out the checks cannot even look at used to be an OSError traceback
+    "out name too long": (lambda d: ["--out", str(d / ("x" * 300))],
+                          r"cannot use the run directory (File name too long"),
+    "resume out name too long": (lambda d: ["--resume", "--out", str(d / ("x" * 300))],
+                                 r"cannot use the run directory (File name too long"),
+    "data name too long": (lambda d: ["--data", f"criteo:{d / ('x' * 300)}"],
+                           r"cannot read it (File name too long)"),
+    "data section not a mapping": (lambda d: ["--set", "data=5", "--data", "synthetic"],
+                                   r"--data: sets data.source, but 'data' is 5 in the config"),
 }
 
 
@@ -166,6 +177,23 @@ def test_python_m_dynemb_prints_no_traceback_for_a_malformed_data_file(tmp_path)
     assert "Traceback" not in done.stderr
 
 
+
+def test_inspect_into_a_closed_pipe_prints_no_traceback(tmp_path):
+    """``dynemb inspect PATH | head -1``: the reader leaves before the output is written; it
+    used to end in a BrokenPipeError traceback. Now: exit 141, as a shell reports SIGPIPE."""
+    from dynemb import EmbeddingBagCollection, TableConfig, checkpoint
+
+    model = EmbeddingBagCollection([TableConfig(name="t", dim=2, features=["f"], capacity=16)])
+    checkpoint.save(tmp_path / "ck", model=model, step=1)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "dynemb", "inspect", str(tmp_path / "ck")],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+
 # ---------------------------------------------------------------- resume at another world size
 
 def _rank(rank: int, world_size: int, port: int, args: list[str], expected: int) -> None:
@@ -176,10 +204,30 @@ def _rank(rank: int, world_size: int, port: int, args: list[str], expected: int)
         raise SystemExit(f"rank {rank}: expected exit status {expected}")
 
 
-def _two_ranks(args: list[str], expected: int = 0) -> None:
+def _rank_claim_fails(rank: int, world_size: int, port: int, args: list[str],
+                      expected: int) -> None:
+    """Rank 0's check of the run directory fails with an error that is not a DynembError."""
+    from dynemb.train import loop
+
+    def claim(*_):
+        raise RuntimeError("disk on fire")
+    loop._claim = claim
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _rank(rank, world_size, port, args, expected)
+    except RuntimeError as error:
+        if rank != 0 or "disk on fire" not in str(error):
+            raise
+    if rank == 1 and "rank 0 failed before training: RuntimeError: disk on fire" not in \
+            err.getvalue():
+        raise SystemExit(f"rank 1 did not name rank 0's error: {err.getvalue()[-2000:]}")
+
+
+def _two_ranks(args: list[str], expected: int = 0, target=_rank) -> None:
     """Runs ``dynemb train args`` on 2 spawned gloo ranks; each must exit with ``expected``
     within 120 s (a rank left alone in a collective would hang)."""
-    ctx = mp.start_processes(_rank, args=(2, _free_port(), args, expected), nprocs=2,
+    ctx = mp.start_processes(target, args=(2, _free_port(), args, expected), nprocs=2,
                              start_method="spawn", join=False)
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=5):
@@ -216,3 +264,12 @@ def test_resume_at_another_world_size_reshards_and_says_so(tmp_path, caplog):
     assert _manifest_step(out / "checkpoints" / "step-00000005") == 5
     rows = sum(t["rows"] for t in metrics["tables"].values())
     assert rows > 0
+
+
+def test_any_failure_of_rank_0_before_training_stops_every_rank(tmp_path):
+    """Rank 0 raising something other than a DynembError while it checks the run directory
+    (an OSError used to escape that way) left rank 1 in the broadcast, to fail with a raw gloo
+    error once rank 0 was gone (or at the collective timeout): now rank 1 exits 2 naming rank
+    0's error."""
+    _two_ranks(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "run"),
+                "--set", "timeout_s=60"], expected=2, target=_rank_claim_fails)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dynemb.checkpoint.integrity import check_files
 from dynemb.checkpoint.manifest import DELTA, read_manifest
+from dynemb.checkpoint.paths import load_lock
 from dynemb.checkpoint.schema import file_specs
 
 
@@ -23,6 +24,15 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character that cannot be shown as it is (control characters,
+    escape sequences, lone surrogates: a hand-edited manifest or an odd path) escaped as in
+    Python source; line breaks kept."""
+    return "\n".join(line if line.isprintable() else
+                     "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
+                     for line in text.split("\n"))
 
 
 def _optimizer(opt: dict) -> str:
@@ -60,7 +70,8 @@ def _table_lines(key: str, t: dict, files: dict, delta: bool) -> list[str]:
 
 
 def describe(path: str | Path) -> str:
-    """A human-readable summary of the checkpoint at ``path`` (from its manifest).
+    """A human-readable summary of the checkpoint at ``path`` (from its manifest), printable
+    whatever its strings hold.
 
     Raises:
         CheckpointError: no readable checkpoint manifest there.
@@ -85,7 +96,7 @@ def describe(path: str | Path) -> str:
                  f"{len(d['files'])} file(s), {_size(dense_bytes)}")
     for key, t in m["tables"].items():
         lines += _table_lines(key, t, files, delta)
-    return "\n".join(lines)
+    return _printable("\n".join(lines))
 
 
 def verify_all(path: str | Path) -> int:
@@ -96,7 +107,12 @@ def verify_all(path: str | Path) -> int:
         CheckpointError: the manifest or a file fails a check (the first failure).
     """
     root = Path(path).absolute()
-    m = read_manifest(root)
-    specs = file_specs(m, f"checkpoint {root}")
-    check_files(root, m, specs)
+    lock = load_lock(root)  # as a load: no save replaces the files while they are checked
+    try:
+        m = read_manifest(root)
+        specs = file_specs(m, f"checkpoint {root}")
+        check_files(root, m, specs)
+    finally:
+        if lock is not None:
+            lock.__exit__()
     return len(specs)

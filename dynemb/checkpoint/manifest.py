@@ -203,9 +203,11 @@ def _missing(path: Path) -> CheckpointError:
 
 
 def _read(path: Path, where: str) -> bytes:
-    """The manifest's bytes (not through a symbolic link, at most ``MAX_MANIFEST_BYTES``)."""
+    """The manifest's bytes (not through a symbolic link, at most ``MAX_MANIFEST_BYTES``; a
+    FIFO or device in its place is refused without blocking on it)."""
     try:
-        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, MANIFEST),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise _missing(path) from None
     except OSError as e:
@@ -216,15 +218,18 @@ def _read(path: Path, where: str) -> bytes:
             raise _missing(path) from None
         raise CheckpointError(f"{where}: {MANIFEST} cannot be read ({e}).") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise _missing(path)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = b""
+        if info.st_size <= MAX_MANIFEST_BYTES:  # else refused below without reading it
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise CheckpointError(f"{where}: {MANIFEST} cannot be read ({e}).") from None
     finally:
         os.close(fd)
-    if len(raw) > MAX_MANIFEST_BYTES:
+    if len(raw) > MAX_MANIFEST_BYTES or info.st_size > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{where}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes; "
                               "expected a dynemb manifest.")
     return raw

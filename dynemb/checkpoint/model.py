@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dynemb.errors import CheckpointError
+from dynemb.errors import CheckpointError, DynembError
 from dynemb.config import TableConfig
 from dynemb.distributed.base import ShardedCollection
 from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -55,11 +55,17 @@ class World:
     def raise_together(self, error: BaseException | None, action: str) -> None:
         """Collective: if any rank failed, every rank raises (its own error where it failed, a
         CheckpointError naming the failed rank elsewhere), so no rank waits in a later
-        collective or goes on with a model the others did not load."""
+        collective or goes on with a model the others did not load. An error that is not a
+        DynembError (an I/O error: a full disk, a read-only directory) is raised as a
+        CheckpointError naming ``action`` and its cause."""
         note = None if error is None else f"{type(error).__name__}: {error}"
         failed = [(r, m) for r, m in enumerate(self.all_gather(note)) if m is not None]
-        if error is not None:
+        if isinstance(error, DynembError):
             raise error
+        if error is not None:
+            raise CheckpointError(f"{action} failed on rank {self.rank}: {note} (for an I/O "
+                                  "error: check the file system's free space and "
+                                  "permissions).") from error
         if failed:
             r, msg = failed[0]
             raise CheckpointError(f"{action} failed on rank {r} (this is rank {self.rank}; "
@@ -190,6 +196,9 @@ def check_dense_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
     out = {}
     for name, (actual, tensor) in own.items():
         saved = state[name]
+        if not isinstance(saved, torch.Tensor):
+            raise CheckpointError(f"{where}: dense state {name!r} is a {type(saved).__name__} in "
+                                  "the checkpoint, expected a tensor.")
         if tuple(saved.shape) != tuple(tensor.shape):
             raise CheckpointError(f"{where}: dense tensor {name!r} has shape "
                                   f"{tuple(saved.shape)} in the checkpoint but "

@@ -3,7 +3,8 @@
 * :class:`SaveLock`: saves to one path are serialised by an exclusive ``flock`` on
   ``.<name>.lock`` beside it, held by the saving process (rank 0 of a collective save) from
   before it looks at the path until the new checkpoint is in place. The lock file is removed by
-  its holder; a waiter that finds it replaced takes the new one.
+  its holder; a waiter that finds it replaced takes the new one. A load holds the same file
+  shared (:func:`load_lock`), so no save replaces a checkpoint while it is being read.
 * Temporary and replaced directories are named after their owner,
   ``.<name>.tmp-<host>-<pid>-<token>`` and ``.<name>.old-<host>-<pid>-<token>``: a save (holding
   the lock) removes those of owners that are gone, never one whose process is alive on this host.
@@ -44,22 +45,26 @@ def _host() -> str:
 
 class SaveLock:
     """An exclusive lock on saves to ``dest`` (a context manager; ``flock`` on
-    ``.<name>.lock`` in the same directory).
+    ``.<name>.lock`` in the same directory); ``shared``: the lock of a load, held by any number
+    of readers at once and by no save meanwhile.
 
     Args:
         dest: the checkpoint path.
         wait_s: how long to wait for another save (None: ``LOCK_WAIT_S``).
+        shared: a reader's lock.
     """
 
-    def __init__(self, dest: Path, wait_s: float | None = None) -> None:
+    def __init__(self, dest: Path, wait_s: float | None = None, shared: bool = False) -> None:
         self.path = dest.parent / f".{dest.name}.lock"
         self.wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+        self.shared = shared
         self._fd: int | None = None
 
     def _try(self) -> int | None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, (os.O_RDONLY if self.shared else os.O_RDWR) | os.O_CREAT
+                     | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -83,7 +88,8 @@ class SaveLock:
                                       f"{self.path} for more than {self.wait_s:.0f} s; wait for "
                                       "it to finish, or save elsewhere.")
             if not told:
-                logger.info("waiting for another save to finish (%s is locked)", self.path)
+                logger.info("waiting for a %s to finish (%s is locked)",
+                            "save" if self.shared else "load or another save", self.path)
                 told = True
             time.sleep(_POLL_S)
         self._fd = fd
@@ -93,11 +99,35 @@ class SaveLock:
         if self._fd is None:
             return
         try:
+            if self.shared:  # the last reader removes the file, once it holds it exclusively
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+                    raise FileNotFoundError(self.path)
             os.unlink(self.path)  # while holding it: a waiter notices and takes a fresh file
         except OSError:
             pass
         os.close(self._fd)
         self._fd = None
+
+
+def load_lock(path: Path) -> SaveLock | None:
+    """Takes the shared lock of a load of the checkpoint at ``path`` (through symbolic links:
+    the lock of the directory saves write); None where its lock file cannot be created or
+    opened (a read-only location, another user's directory) or locked (a file system without
+    ``flock``): the load goes on unlocked.
+
+    Raises:
+        CheckpointError: a save held the path for more than ``LOCK_WAIT_S``.
+    """
+    lock = SaveLock(Path(os.path.realpath(path)), shared=True)
+    try:
+        return lock.__enter__()
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                       errno.ENAMETOOLONG, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            logger.debug("loading %s without its lock (%s)", path, e)
+            return None
+        raise
 
 
 # ---------------------------------------------------------------- owned temporary directories

@@ -24,6 +24,7 @@ from dynemb.checkpoint.manifest import DELTA, read_manifest, to_json
 from dynemb.checkpoint.model import (
     ModelView, TableSlot, check_dense_state, optimizer_type, view_model,
 )
+from dynemb.checkpoint.paths import load_lock
 from dynemb.checkpoint.schema import FileSpec, file_specs
 from dynemb.config import OnFull, Routing, TableConfig
 from dynemb.distributed.routing import route
@@ -445,8 +446,9 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module,
     """Loads a checkpoint (full, or a delta on top of the checkpoint it was taken since) into
     ``model``'s tables, dense parameters and ``dense_optimizer``.
 
-    Collective when the model holds sharded collections: every rank calls it. Every check runs
-    first on every rank: the manifest (checksum, schema), the manifest against the model (table
+    Collective when the model holds sharded collections: every rank calls it. It holds the
+    path's lock shared (a save to the path waits until it is done). Every check runs first on
+    every rank: the manifest (checksum, schema), the manifest against the model (table
     names, dims, optimizer type, score policy, routing and world size), each file's size,
     sha256, metadata and shapes, that each key is on its owner, and the fit; the model changes
     only if every rank passed.
@@ -473,20 +475,24 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module,
         CheckpointError: on every rank, naming what was expected and what was found.
     """
     view = view_model(model)
-    plan, error = None, None
+    plan, error, lock = None, None, None
     try:
-        mode = resolve_on_full(on_full, bool(reshard))
-        plan = _validate(path, model, dense_optimizer, bool(reshard), mode, view)
-        plan.steps_before = [t.slot.table.step for t in plan.tables]
-    except Exception as e:  # noqa: BLE001  (raised on every rank, before any change)
-        error = e
-    view.world.raise_together(error, f"checkpoint load of {path} (validation)")
-    error = None
-    try:
-        _apply(plan, model, dense_optimizer, view.world.rank, dropped)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    view.world.raise_together(error, f"checkpoint load of {path}")
+        try:
+            mode = resolve_on_full(on_full, bool(reshard))
+            lock = load_lock(Path(path))  # no save replaces the files while they are read
+            plan = _validate(path, model, dense_optimizer, bool(reshard), mode, view)
+            plan.steps_before = [t.slot.table.step for t in plan.tables]
+        except Exception as e:  # noqa: BLE001  (raised on every rank, before any change)
+            error = e
+        view.world.raise_together(error, f"checkpoint load of {path} (validation)")
+        try:
+            _apply(plan, model, dense_optimizer, view.world.rank, dropped)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        view.world.raise_together(error, f"checkpoint load of {path}")
+    finally:
+        if lock is not None:
+            lock.__exit__()
     step = plan.manifest["step"]
     for t, before in zip(plan.tables, plan.steps_before):
         steps.after_load(t.slot.table, step, before)

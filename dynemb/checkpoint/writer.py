@@ -122,6 +122,11 @@ def _write_table(root: Path, index: int, slot: TableSlot, rank: int, since: int 
                  files: Hasher) -> dict:
     """Writes one table's shard on this rank; returns its per-rank manifest entry."""
     t = slot.table
+    if t.interrupted:
+        raise CheckpointError(
+            f"table {slot.key!r}: a call that changes it was interrupted part way (e.g. by "
+            "Ctrl-C), so its rows may be half written; expected a table whose calls all "
+            "completed. Load the last checkpoint and train on from there instead of saving.")
     rel_dir = table_dir(index, slot.key)
     (root / rel_dir).mkdir(parents=True, exist_ok=True)
     t.flush()  # CACHING: write cached rows back before exporting

@@ -20,7 +20,8 @@ one, raises InputError). The file is read line by line, never whole, as ASCII.
 
 Lines are split by position: with ``eval_fraction`` f, every round(1/f)-th line (the last of
 each group of round(1/f)) is held out for evaluation; the training lines are dealt to the ranks
-in turn (training line j to rank j mod W); blank lines are skipped. Training cycles over the
+in turn (training line j to rank j mod W); blank lines (nothing but spaces before the line
+end, ``\n`` or ``\r\n``) are skipped, and count in the line numbers. Training cycles over the
 file (epochs) endlessly.
 """
 
@@ -155,7 +156,11 @@ class CriteoTSV(DataSource):
 
     def __init__(self, path: str | Path, *, eval_fraction: float = 0.1) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        try:
+            found = self.path.is_file()
+        except OSError as error:  # a name too long, a directory that cannot be searched
+            raise ConfigError(f"criteo:{path}: cannot read it ({error.strerror}).") from None
+        if not found:
             raise ConfigError(f"criteo:{path}: expected a Criteo TSV file, found no such file.")
         if not 0.0 < eval_fraction < 1.0:
             raise ConfigError(f"criteo: eval_fraction expected in (0, 1), found {eval_fraction!r}.")
@@ -199,10 +204,10 @@ class CriteoTSV(DataSource):
     def _lines(self, want_eval: bool, rank: int,
                world_size: int) -> Iterator[tuple[int, str]]:
         """``(line number, text)`` of this rank's training (or eval) lines, in file order, one
-        pass (blank lines are skipped)."""
+        pass (blank lines are skipped: a line of tabs is a line of empty fields, not blank)."""
         k = 0
         for n, line in self._read():
-            if not line.strip():
+            if not line.strip(" \r\n"):
                 continue
             if ((n - 1) % self.period == self.period - 1) != want_eval:
                 continue

@@ -104,6 +104,29 @@ def _yaml_error(where: str, error: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{where}{at}: not valid YAML ({what}).")
 
 
+def _check_unique(node: yaml.MappingNode, where: str) -> None:
+    """Raises ConfigError, naming the line, if a key appears twice in one mapping (YAML would
+    keep the last value silently)."""
+    seen: set[tuple[str, str]] = set()
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            if (key.tag, key.value) in seen:
+                raise ConfigError(f"{where}, line {key.start_mark.line + 1}: key {key.value!r} "
+                                  "appears twice in one mapping; expected each setting once.")
+            seen.add((key.tag, key.value))
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a key that appears twice in it."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"key {key!r} appears twice in one object; expected each setting "
+                              "once.")
+        out[key] = value
+    return out
+
+
 def _check_graph(root: yaml.Node, where: str) -> None:
     """Raises ConfigError, naming the line, if the composed YAML contains itself (an anchor
     cycle) or expands through its aliases to more than MAX_CONFIG_VALUES values."""
@@ -127,6 +150,8 @@ def _check_graph(root: yaml.Node, where: str) -> None:
                               "plain settings: write values out instead of nesting aliases.")
         if isinstance(node, yaml.ScalarNode):
             continue
+        if isinstance(node, yaml.MappingNode):
+            _check_unique(node, where)
         children = (node.value if isinstance(node, yaml.SequenceNode)
                     else [part for pair in node.value for part in pair])
         ancestors.add(id(node))
@@ -203,13 +228,17 @@ def read_file(path: str | Path) -> dict[str, Any]:
     where = f"config file {path}"
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{where}, line {error.lineno}, column {error.colno}: not valid "
                               f"JSON ({error.msg}).") from None
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
         except RecursionError:
             raise ConfigError(f"{where}: nested too deeply to read; expected plain nested "
                               "settings.") from None
+        except ValueError as error:  # e.g. an integer of more than 4300 digits
+            raise ConfigError(f"{where}: a value cannot be read ({error}).") from None
     else:
         data = parse_yaml(text, where)
     if data is None:

@@ -108,23 +108,28 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
 
 def _on_main(env: Env, task: Callable[[], T]) -> T:
-    """Runs ``task`` on rank 0 and gives every rank its result; a DynembError it raises is
-    raised on every rank, so that no rank goes on alone into a collective."""
-    outcome: tuple[T | None, DynembError | None] = (None, None)
+    """Runs ``task`` on rank 0 and gives every rank its result; an error it raises is raised
+    on every rank (rank 0's own; elsewhere the DynembError, or a DynembError naming rank 0's
+    error), so that no rank goes on alone into a collective."""
+    result, error = None, None
     if env.is_main:
         try:
-            outcome = (task(), None)
-        except DynembError as error:
+            result = task()
+        except Exception as e:  # noqa: BLE001  (raised on every rank below)
             if not env.distributed:
                 raise
-            outcome = (None, error)
+            error = e
     if env.distributed:
-        box = [outcome]
+        note = error if error is None or isinstance(error, DynembError) else DynembError(
+            f"rank 0 failed before training: {type(error).__name__}: {error}")
+        box = [(result, note)]
         dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]  # type: ignore[return-value]
+        result, note = box[0]
+        if error is not None:
+            raise error
+        if note is not None:
+            raise note
+    return result  # type: ignore[return-value]
 
 
 def _claim(config: TrainConfig, resume: bool, overwrite: bool) -> checkpoints.ResumePoint | None:
@@ -132,18 +137,18 @@ def _claim(config: TrainConfig, resume: bool, overwrite: bool) -> checkpoints.Re
     :mod:`dynemb.train.checkpoints`), then creates it and writes ``config.yaml``; returns the
     checkpoint to resume from. Writes nothing when there is nothing to do."""
     out = Path(config.out)
-    point = checkpoints.find_resume(out, config.steps) if resume else None
-    if point is not None and point.step == config.steps:
-        return point
-    if not resume:
-        checkpoints.check_fresh(out, overwrite)
-    try:
+    try:  # every OSError (unreadable, unwritable, a name too long): a ConfigError
+        point = checkpoints.find_resume(out, config.steps) if resume else None
+        if point is not None and point.step == config.steps:
+            return point
+        if not resume:
+            checkpoints.check_fresh(out, overwrite)
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(config), encoding="utf-8")
     except OSError as error:
-        raise ConfigError(f"--out {out}: cannot write the run directory ({error.strerror}: "
-                          f"{error.filename}); expected a directory dynemb train can create "
-                          "and write: choose another --out.") from None
+        raise ConfigError(f"--out {out}: cannot use the run directory ({error.strerror}: "
+                          f"{error.filename}); expected a directory dynemb train can create, "
+                          "read and write: choose another --out.") from None
     return point
 
 

@@ -7,9 +7,11 @@ step, rank), so a resumed run can be compared with an uninterrupted one exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dynemb
+from dynemb import checkpoint
 
 FEATURES = ("fa", "fb1", "fb2")
 
@@ -131,3 +133,29 @@ def assert_same_tables(got: dict, want: dict, *, steps: bool = True,
             assert (g["step"], g["optimizer_step"]) == (w["step"], w["optimizer_step"]), key
         if admission and "admission" in w:
             assert all(torch.equal(a, b) for a, b in zip(g["admission"], w["admission"])), key
+
+
+def fresh(tables_=None, **kw) -> tuple[Tiny, torch.optim.Optimizer]:
+    """A new ``Tiny`` over a plain collection of ``tables_`` (default ``tables(**kw)``) and an
+    Adam optimizer of its MLP."""
+    model = Tiny(dynemb.EmbeddingBagCollection(tables_ or tables(**kw)))
+    return model, torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+
+
+def trained_other() -> tuple[Tiny, torch.optim.Optimizer]:
+    """A model trained on other batches, whose state must survive a failed load untouched."""
+    model, opt = fresh()
+    train(model, opt, range(2), seed=5)
+    return model, opt
+
+
+def expect_untouched(path, model, opt=None, match: str = "", **load_kw) -> str:
+    """``load`` raises CheckpointError matching ``match`` and leaves ``model`` (tables and
+    dense state) as it was; returns the message."""
+    before = snapshot(model)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(checkpoint.CheckpointError, match=match) as info:
+        checkpoint.load(path, model=model, dense_optimizer=opt, **load_kw)
+    assert_same_tables(snapshot(model), before)
+    assert all(torch.equal(v, dense[k]) for k, v in model.state_dict().items())
+    return str(info.value)

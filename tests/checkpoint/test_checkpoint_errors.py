@@ -14,11 +14,7 @@ from dynemb import checkpoint
 from dynemb.checkpoint import CheckpointError
 
 import _models as M
-
-
-def fresh(tables=None, **kw):
-    model = M.Tiny(dynemb.EmbeddingBagCollection(tables or M.tables(**kw)))
-    return model, torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+from _models import expect_untouched, fresh, trained_other
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +25,6 @@ def saved(tmp_path_factory):
     M.train(model, opt, range(3))
     checkpoint.save(path, model=model, dense_optimizer=opt, step=3)
     return path
-
-
-def trained_other():
-    """A different trained model whose state must survive a failed load untouched."""
-    model, opt = fresh()
-    M.train(model, opt, range(2), seed=5)
-    return model, opt
-
-
-def expect_untouched(path, model, opt=None, match: str = "", **load_kw):
-    before = M.snapshot(model)
-    dense = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=match) as info:
-        checkpoint.load(path, model=model, dense_optimizer=opt, **load_kw)
-    M.assert_same_tables(M.snapshot(model), before)
-    assert all(torch.equal(v, dense[k]) for k, v in model.state_dict().items())
-    return str(info.value)
 
 
 def test_table_names_differ(saved):

@@ -78,3 +78,94 @@ def test_interrupted_replacement_names_previous_checkpoint(tmp_path):
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"previous checkpoint is complete at .*\.ck\.old-0123; rename it"):
         checkpoint.load(tmp_path / "ck", model=fresh()[0])
+
+
+@pytest.mark.parametrize("where", ["part", "dense", "manifest"])
+def test_a_full_disk_is_a_checkpoint_error_that_keeps_the_previous_checkpoint(tmp_path,
+                                                                               monkeypatch,
+                                                                               where):
+    """A file system that fills up during a save: the errors that used to escape save (a
+    SafetensorError from a part, an OSError from the dense file or the manifest) are raised as
+    CheckpointError naming the cause; nothing is left beside the path, and the previous
+    checkpoint is unchanged."""
+    from safetensors import SafetensorError
+
+    from dynemb.checkpoint import writer
+
+    model, opt = trained(2)
+    checkpoint.save(tmp_path / "ck", model=model, dense_optimizer=opt, step=2)
+    M.train(model, opt, range(2, 3))
+    full = "No space left on device (os error 28)"
+    if where == "part":
+        def fail(*args, **kwargs):
+            raise SafetensorError(f"Error while serializing: I/O error: {full}")
+        monkeypatch.setattr(files, "save_file", fail)
+    else:
+        real = writer.write_bytes
+
+        def fail(path, data):
+            if (path.name == "manifest.json") == (where == "manifest"):
+                raise OSError(28, "No space left on device", str(path))
+            return real(path, data)
+        monkeypatch.setattr(writer, "write_bytes", fail)
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint full (save|commit) .* "
+                       "failed on rank 0: .*No space left on device"):
+        checkpoint.save(tmp_path / "ck", model=model, dense_optimizer=opt, step=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    other, _ = fresh()
+    assert checkpoint.load(tmp_path / "ck", model=other) == 2
+    want, _ = trained(2)
+    M.assert_same_tables(M.snapshot(other), M.snapshot(want))
+
+
+@pytest.mark.parametrize("damage", ["remove a part", "grow the dense file", "add a file"])
+def test_a_new_checkpoint_that_is_not_complete_never_replaces_the_previous(tmp_path,
+                                                                             monkeypatch,
+                                                                             damage):
+    """Files of the new directory that vanish, change size or appear between the writing and
+    the commit (another process in the temporary directory, a file system fault): the save
+    refuses to put it in place and the previous checkpoint stays (no test guarded this)."""
+    from dynemb.checkpoint import writer
+
+    model, opt = trained(2)
+    checkpoint.save(tmp_path / "ck", model=model, dense_optimizer=opt, step=2)
+    real = writer._manifest
+
+    def manifest_after_damage(view, reports, *args):
+        tmp = next(tmp_path.glob(".ck.tmp-*"))
+        if damage == "remove a part":
+            next(tmp.glob("tables/*/*.part00000.safetensors")).unlink()
+        elif damage == "grow the dense file":
+            with open(tmp / "dense" / "rank00000.pt", "ab") as f:
+                f.write(b"x")
+        else:
+            (tmp / "dense" / "stray.txt").write_text("x")
+        return real(view, reports, *args)
+    monkeypatch.setattr(writer, "_manifest", manifest_after_damage)
+    with pytest.raises(checkpoint.CheckpointError, match="after writing|unexpected entries"):
+        checkpoint.save(tmp_path / "ck", model=model, dense_optimizer=opt, step=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    other, _ = fresh()
+    assert checkpoint.load(tmp_path / "ck", model=other) == 2
+
+
+def test_a_table_interrupted_part_way_is_never_saved(tmp_path, monkeypatch):
+    """A KeyboardInterrupt inside a table call may leave rows half written: save refuses the
+    table (naming it) and leaves the previous checkpoint as it was."""
+    model, opt = trained(2)
+    path = tmp_path / "ck"
+    checkpoint.save(path, model=model, dense_optimizer=opt, step=2)
+    before = files.sha256_file(path / "manifest.json")
+    table = model.sparse.tables["a"]
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(table.store, "init", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        table.find_or_insert(torch.arange(10_000, 10_010))
+    monkeypatch.undo()
+    with pytest.raises(dynemb.errors.CheckpointError, match="'sparse/a'.*interrupted part way"):
+        checkpoint.save(path, model=model, dense_optimizer=opt, step=3)
+    assert files.sha256_file(path / "manifest.json") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

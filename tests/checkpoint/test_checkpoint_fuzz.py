@@ -113,14 +113,18 @@ def _run(setup, positions, reseal: bool) -> dict[str, int]:
     raw = (root / "ck" / "manifest.json").read_bytes()
     before = _clone(_raw(target, opt))
     seen = {"refused": 0, "loaded": 0}
+    last = 0
     fd = os.open(work / "manifest.json", os.O_RDWR)
     try:
         for byte, bit, data in _flips(raw, positions, reseal):
-            if len(data) == len(raw) and not reseal:  # rewrite one byte in place: fast
+            if not reseal:  # rewrite one byte in place (fast), the previous one restored
+                os.pwrite(fd, raw[last:last + 1], last)
                 os.pwrite(fd, data[byte:byte + 1], byte)
+                last = byte
             else:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, data, 0)
+            assert (work / "manifest.json").read_bytes() == data  # exactly one flip
             error = _load(work, target, opt)
             if not reseal:  # inspect --verify agrees with load
                 assert _verifies(work) == (error is None), (byte, bit, error)

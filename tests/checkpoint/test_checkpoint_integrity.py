@@ -8,30 +8,24 @@ show the checks behind the checksum, as a bug or a deliberate edit would meet th
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
+import os
 import shutil
+import signal
 
 import pytest
 import torch
 
 import dynemb
 from dynemb import checkpoint
-from dynemb.checkpoint import CheckpointError, inspect, manifest, steps
+from dynemb.checkpoint import CheckpointError, files, inspect, manifest, steps
 from dynemb.cli import main as cli_main
 
 import _models as M
-
-
-def fresh():
-    model = M.Tiny(dynemb.EmbeddingBagCollection(M.tables()))
-    return model, torch.optim.Adam(model.mlp.parameters(), lr=0.01)
-
-
-def trained_other():
-    model, opt = fresh()
-    M.train(model, opt, range(2), seed=5)
-    return model, opt
+from _models import expect_untouched, fresh, trained_other
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +59,13 @@ def expect_refused(path, model=None, opt=None, match: str = "", files_ok: bool =
     (the files hold what was saved, and the load refuses the values)."""
     if model is None:
         model, opt = trained_other()
-    before = M.snapshot(model)
-    dense = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=match) as info:
-        checkpoint.load(path, model=model, dense_optimizer=opt, **load_kw)
-    M.assert_same_tables(M.snapshot(model), before)
-    assert all(torch.equal(v, dense[k]) for k, v in model.state_dict().items())
+    message = expect_untouched(path, model, opt, match, **load_kw)
     if files_ok:
         inspect.verify_all(path)
     else:
         with pytest.raises(CheckpointError):
             inspect.verify_all(path)
-    return str(info.value)
+    return message
 
 
 def _flip_digit(path, needle: str) -> None:
@@ -137,6 +126,88 @@ def test_missing_fields_are_checkpoint_errors_for_load_and_inspect(saved, tmp_pa
         assert cli_main(["inspect", str(path), *flags]) == 1
     assert "manifest.json field" in capsys.readouterr().err
 
+
+def test_inspect_prints_any_manifest_string_without_a_traceback(saved, tmp_path, capsys):
+    """A re-sealed manifest whose strings hold a lone surrogate and a terminal escape: inspect
+    used to die of UnicodeEncodeError printing them (and passed escapes to the terminal)."""
+    path = copy(saved, tmp_path)
+    m = read(path)
+    m["library_version"] = "0.1\ud800\x1b[2J"
+    m["dense"]["optimizer"] = "torch.optim.\x07Bell"
+    reseal(path, m)
+    capsys.readouterr()
+    assert cli_main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "dynemb 0.1\\ud800\\x1b[2J," in out and "optimizer torch.optim.\\x07Bell" in out
+    assert all(c.isprintable() for c in out.replace("\n", ""))
+
+
+def test_a_manifest_that_is_a_fifo_or_huge_is_refused_without_reading_it(saved, tmp_path):
+    """A FIFO in place of manifest.json used to block load, save and inspect forever; a huge
+    (sparse) manifest was read 256 MiB into memory before being refused."""
+    fifo = copy(saved, tmp_path, "fifo")
+    (fifo / "manifest.json").unlink()
+    os.mkfifo(fifo / "manifest.json")
+
+    def blocked(*_):
+        raise AssertionError("blocked opening the FIFO")
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.setitimer(signal.ITIMER_REAL, 30)  # fail, rather than hang, if it blocks
+    try:
+        expect_refused(fifo, match="has no manifest.json")
+        assert cli_main(["inspect", str(fifo)]) == 1
+        with pytest.raises(CheckpointError, match="is not a dynemb checkpoint"):
+            checkpoint.save(fifo, model=fresh()[0], step=1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    huge = copy(saved, tmp_path, "huge")
+    with open(huge / "manifest.json", "r+b") as f:
+        f.truncate(manifest.MAX_MANIFEST_BYTES + 1)
+    read_bytes = []
+    real_fdopen = os.fdopen
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fdopen", lambda *a, **k: read_bytes.append(1) or real_fdopen(*a, **k))
+        expect_refused(huge, match="is larger than")
+    assert read_bytes == []
+
+
+def test_a_dense_file_holding_no_tensor_is_a_checkpoint_error(saved, tmp_path):
+    """A re-sealed checkpoint whose dense state maps a name to an int: it used to raise
+    AttributeError (no ``.shape``)."""
+    path = copy(saved, tmp_path)
+    dense = torch.load(path / "dense/rank00000.pt", weights_only=True)
+    dense["model"]["mlp.0.weight"] = 5
+    (path / "dense/rank00000.pt").unlink()
+    entry = files.write_bytes(path / "dense/rank00000.pt", _pickled(dense))
+    m = read(path)
+    m["files"]["dense/rank00000.pt"] = entry.as_json()
+    reseal(path, m)
+    expect_refused(path, match="dense state 'mlp.0.weight' is a int in the checkpoint, "
+                               "expected a tensor", files_ok=True)
+
+
+def _pickled(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+def _seal(raw: bytes) -> bytes:
+    """``raw`` manifest bytes with their checksum recomputed (as ``write_json`` seals)."""
+    at = raw.index(b'"manifest_sha256": "') + len(b'"manifest_sha256": "')
+    zeroed = raw[:at] + b"0" * 64 + raw[at + 64:]
+    return raw[:at] + hashlib.sha256(zeroed).hexdigest().encode() + raw[at + 64:]
+
+
+def test_a_duplicate_key_is_refused_even_when_resealed(saved, tmp_path):
+    """JSON keeps the last of two equal keys: a manifest saying ``"step"`` twice is refused,
+    not read one way here and another way by another reader (no test guarded this)."""
+    path = copy(saved, tmp_path)
+    raw = (path / "manifest.json").read_bytes()
+    assert b'\n "step": 3,' in raw
+    (path / "manifest.json").write_bytes(_seal(raw.replace(b'\n "step": 3,',
+                                                           b'\n "step": 9,\n "step": 3,')))
+    expect_refused(path, match="not readable JSON .*key 'step' appears twice")
 
 def test_empty_part_list_is_refused(saved, tmp_path):
     """Before: ``parts: []`` loaded an empty table."""

@@ -84,6 +84,7 @@ def test_gzip_files(tsv, tmp_path):
     (lambda p: ["2", *p[1:]], "a label of 0 or 1"),
     (lambda p: [p[0], "x1", *p[2:]], "an integer"),
     (lambda p: [*p[:20], "zz", *p[21:]], "hex category"),
+    (lambda p: [""] * 40, "a label of 0 or 1"),  # 39 tabs: was skipped as blank, silently
 ])
 def test_bad_lines_name_the_file_and_line(tmp_path, mutate, match):
     rng = random.Random(1)
@@ -95,6 +96,17 @@ def test_bad_lines_name_the_file_and_line(tmp_path, mutate, match):
     with pytest.raises(InputError, match=match) as info:
         next(CriteoTSV(path, eval_fraction=0.25).train_batches(3))
     assert f"{path}:2" in str(info.value)
+
+
+def test_crlf_line_ends_and_blank_lines(tmp_path, tsv):
+    """Windows line ends read as the same file; blank lines (nothing but spaces before the
+    line end) are skipped."""
+    crlf = tmp_path / "crlf.tsv"
+    crlf.write_bytes(tsv.read_bytes().replace(b"\n", b"\r\n") + b"  \r\n\r\n\n")
+    want, got = CriteoTSV(tsv).eval_batches(7), CriteoTSV(crlf).eval_batches(7)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.dense, b.dense)
+        assert torch.equal(a.sparse.values, b.sparse.values)
 
 
 def test_missing_file_and_too_few_lines(tmp_path):

@@ -115,6 +115,11 @@ BILLION_LAUGHS = "\n".join(
     ("deep.json", "[" * 100_000 + "]" * 100_000, r"deep\.json: nested too deeply"),
     ("bad.json", '{"steps": 3,\n "x": }', r"bad\.json, line 2, column 7: not valid JSON"),
     ("big.yaml", "# " + "x" * (1 << 20) + "\n", r"big\.yaml: expected at most 1,048,576 bytes"),
+    # these three used to be a ValueError traceback, and silently the last of two values
+    ("digits.json", '{"steps": ' + "1" * 5000 + "}", r"digits\.json: a value cannot be read"),
+    ("twice.yaml", "steps: 3\ndata:\n  seed: 1\n  seed: 2\n",
+     r"twice\.yaml, line 4: key 'seed' appears twice"),
+    ("twice.json", '{"steps": 3, "steps": 4}', r"twice\.json: key 'steps' appears twice"),
 ])
 def test_hostile_config_files_raise_config_error_naming_the_file_and_line(tmp_path, name,
                                                                           content, match):
