@@ -91,12 +91,14 @@ class StorageMode(str, enum.Enum):
 
     HBM_ONLY: every row in the fast tier. HYBRID: rows hash-partitioned between the tiers, a
     fraction ``cache_load_factor`` of the slots in hbm. CACHING: a full backing store in ddr under
-    an hbm cache of ``cache_load_factor`` of the rows (write-back).
+    an hbm cache of ``cache_load_factor`` of the rows (write-back). AUTO: the planner
+    (``dynemb.planner.plan``) chooses the mode; a table cannot be built before it did.
     """
 
     HBM_ONLY = "hbm_only"
     HYBRID = "hybrid"
     CACHING = "caching"
+    AUTO = "auto"
 
 
 class InitKind(str, enum.Enum):
@@ -272,10 +274,11 @@ class Storage:
     """
 
     mode: StorageMode = StorageMode.HBM_ONLY
-    """HBM_ONLY, HYBRID or CACHING."""
+    """HBM_ONLY, HYBRID, CACHING, or AUTO (the planner chooses)."""
     cache_load_factor: float | None = None
-    """x in [0.1, 1.0]: the fraction of the rows held in hbm (HYBRID) or cached there (CACHING).
-    Required for HYBRID and CACHING; 1.0 (the only value HBM_ONLY accepts) drops the ddr tier."""
+    """x in [0.1, 1.0]: the fraction of the rows held in hbm (HYBRID) or cached there (CACHING);
+    1.0 (the only value HBM_ONLY accepts) drops the ddr tier. None with HYBRID, CACHING or AUTO:
+    the planner chooses x (the table can be built only once it did; see :attr:`planned`)."""
     ddr_path: str | None = None
     """A directory for the ddr tier's memory-mapped files (``<table>.ddr.*``), so a table can
     outgrow RAM; None keeps the ddr tier in memory. Sharded tables use ``rank<r>/`` under it."""
@@ -290,10 +293,8 @@ class Storage:
             _fail("Storage", "mode", self.mode, f"one of {[m.name for m in StorageMode]}")
         x = self.cache_load_factor
         if x is None:
-            if self.mode != StorageMode.HBM_ONLY:
-                raise ConfigError(f"Storage.cache_load_factor: {self.mode.name} needs the fraction "
-                                  "of rows in hbm, a number in [0.1, 1.0], found None (e.g. 0.2).")
-            object.__setattr__(self, "cache_load_factor", 1.0)
+            if self.mode == StorageMode.HBM_ONLY:
+                object.__setattr__(self, "cache_load_factor", 1.0)
         elif (not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x)
               or not 0.1 <= x <= 1.0):
             _fail("Storage", "cache_load_factor", x, "a number in [0.1, 1.0]")
@@ -319,6 +320,20 @@ class Storage:
     def effective_mode(self) -> StorageMode:
         """The mode in force: cache_load_factor 1.0 means HBM_ONLY in any mode."""
         return StorageMode.HBM_ONLY if self.cache_load_factor == 1.0 else self.mode
+
+    @property
+    def planned(self) -> bool:
+        """Whether mode and cache_load_factor are both decided (a table can be built)."""
+        return self.effective_mode != StorageMode.AUTO and self.cache_load_factor is not None
+
+    def require_planned(self, table: str) -> None:
+        """Raises ConfigError naming ``table`` if the planner has yet to choose its storage."""
+        if not self.planned:
+            raise ConfigError(
+                f"table {table!r}: its storage (mode {self.mode.name}, cache_load_factor "
+                f"{self.cache_load_factor}) is left to the planner, so the table cannot be built "
+                "yet; plan the tables first (configs = dynemb.planner.plan(tables, topology)"
+                ".apply(tables)) or give both mode and cache_load_factor.")
 
 
 @dataclass(frozen=True, kw_only=True)

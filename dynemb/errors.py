@@ -6,7 +6,8 @@
     ├── InputError (ValueError)     a batch, key tensor or argument that cannot be used
     ├── ConfigError (ValueError)    a configuration that cannot be built
     ├── CapacityError (RuntimeError) a table has no room for a key and may not evict
-    └── CheckpointError             a checkpoint that cannot be written or loaded
+    ├── CheckpointError             a checkpoint that cannot be written or loaded
+    └── PlanningError               no placement of the tables fits the memory budgets
 
 Messages say what was expected, what was found, and how to fix it.
 """
@@ -37,3 +38,8 @@ class CheckpointError(DynembError):
 
     A load that raises it before its mutation phase leaves the model untouched.
     """
+
+
+class PlanningError(DynembError):
+    """The planner cannot place the tables: no plan fits the memory budgets (the message names the
+    tier, what the smallest plan needs and the budget that would fit), or its inputs are invalid."""

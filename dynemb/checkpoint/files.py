@@ -67,6 +67,22 @@ def write_bytes(path: Path, data: bytes | memoryview) -> FileEntry:
     return FileEntry(bytes=len(view), sha256=digest.hexdigest())
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replaces ``path`` with a file holding ``text`` (UTF-8) in one step: a reader, or a
+    process killed at any moment, sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
 def fsync_file(path: Path) -> None:
     """Makes a written file's data durable."""
     fd = os.open(path, os.O_RDONLY)

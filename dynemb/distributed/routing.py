@@ -27,6 +27,7 @@ import torch
 from dynemb.config import Routing, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.kernels.hashing import fmix64, umod
+from dynemb.table.memory import shard_capacity
 
 MAX_WORLD_SIZE = 1 << 31
 """Largest world size ``route`` accepts (``umod`` needs a modulus below 2**62)."""
@@ -102,13 +103,6 @@ def route_table(keys: torch.Tensor, config: TableConfig, world_size: int) -> tor
     return route(keys, world_size, config.routing, id_range=config.id_range)
 
 
-def shard_capacity(capacity: int, world_size: int) -> int:
-    """Rows of one rank's shard of a table of global ``capacity``: ``ceil(capacity / W)`` (each
-    shard then rounds up to whole buckets, as every table does)."""
-    _check_world_size(world_size)
-    return -(-capacity // world_size)
-
-
 def shard_config(config: TableConfig, world_size: int, rank: int | None = None) -> TableConfig:
     """The config of one rank's shard: ``config`` with ``capacity = shard_capacity(...)`` and,
     over several ranks, a ddr directory of its own (``<ddr_path>/rank<r>``).
@@ -122,5 +116,6 @@ def shard_config(config: TableConfig, world_size: int, rank: int | None = None) 
             raise ConfigError(f"table {config.name!r}: shard_config needs the rank to give the "
                               "shard its own ddr_path directory.")
         storage = dataclasses.replace(storage, ddr_path=os.path.join(storage.ddr_path, f"rank{rank}"))
+    _check_world_size(world_size)
     return dataclasses.replace(config, capacity=shard_capacity(config.capacity, world_size),
                                storage=storage)

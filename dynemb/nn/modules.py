@@ -188,6 +188,7 @@ class _Collection(torch.nn.Module):
         self.device = canonical_device(device)
         self.backend_name: str = backend_for(self.device, backend).name
         for t in tables:  # what building would refuse about the geometry, refused now
+            t.storage.require_planned(t.name)
             storage_layout(t.capacity, t.bucket_capacity, t.storage.mode,
                            t.storage.cache_load_factor)
         self.configs: tuple[TableConfig, ...] = tuple(tables)

@@ -1,9 +1,10 @@
 """The one memory formula of a table, per storage tier, importable without building one.
 
-The planner calls :func:`table_memory` with any (config, rows, mode, cache_load_factor);
+The planner calls :func:`table_memory` with any (config, world size, mode, cache_load_factor);
 ``DynamicTable.memory_usage()`` reports the same breakdown from its live tensors, and a test
 checks the two agree. :func:`storage_layout` is the geometry both use: the table builds exactly
-the index and row stores it describes.
+the index and row stores it describes. :func:`shard_capacity` is the rows of one rank's shard,
+for the planner and for ``dynemb.distributed``.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ class TierMemory:
     its backing slot and dirty flag)."""
     admission_bytes: int = 0
     """The admission counter table (0 without admission)."""
+    working_bytes: int = 0
+    """An estimate of the tensors one training step allocates and frees (see
+    :func:`working_set_bytes`); 0 in what a built table reports."""
 
     @property
     def total_bytes(self) -> int:
-        return self.values_bytes + self.optimizer_state_bytes + self.index_bytes + self.admission_bytes
+        return (self.values_bytes + self.optimizer_state_bytes + self.index_bytes
+                + self.admission_bytes + self.working_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +126,12 @@ def storage_layout(capacity: int, bucket_capacity: int, mode: StorageMode,
     ``cache_load_factor`` 1.0 is HBM_ONLY in any mode. HYBRID puts ``round(x * num_buckets)``
     buckets (at least one per tier) in hbm; CACHING caches ``ceil(x * slots)`` rows.
     """
+    x = cache_load_factor
+    if x is None or (mode == StorageMode.AUTO and x != 1.0):
+        raise ConfigError(f"storage_layout: mode {mode.name} with cache_load_factor {x} is left to "
+                          "the planner; expected a planned mode and cache_load_factor.")
     nb, width = index_geometry(capacity, bucket_capacity)
     slots = nb * width
-    x = cache_load_factor
     if x == 1.0 or mode == StorageMode.HBM_ONLY:
         return Layout(StorageMode.HBM_ONLY, nb, width, nb, slots, 0)
     if mode == StorageMode.HYBRID:
@@ -138,22 +146,54 @@ def storage_layout(capacity: int, bucket_capacity: int, mode: StorageMode,
     return Layout(StorageMode.CACHING, nb, width, nb, cnb * cwidth, slots, cnb, cwidth)
 
 
+def shard_capacity(capacity: int, world_size: int) -> int:
+    """Rows of one rank's shard of a table of global ``capacity``: ``ceil(capacity / W)`` (each
+    shard then rounds up to whole buckets, as every table does)."""
+    for name, v in (("capacity", capacity), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"shard_capacity: expected {name} an int >= 1, found {v!r}.")
+    return -(-capacity // world_size)
+
+
+def working_set_bytes(config: TableConfig, ids_per_step: int, world_size: int = 1) -> int:
+    """An estimate of the bytes one training step of a table's shard allocates on top of its
+    tables: ``ids_per_step`` (the ids this rank's shard looks up per step) times, per id, its
+    lookup arrays (key, slot, inverse, journal: 32 B), its weight (4 B), and three rows of ``dim``
+    float32 (its gradient row, a ddr row gathered for pooling, its pooled partial); sharded, also
+    the ids and partials of the all-to-alls (8 B + one row each way)."""
+    if not isinstance(ids_per_step, int) or isinstance(ids_per_step, bool) or ids_per_step < 0:
+        raise ConfigError(f"working_set_bytes: expected ids_per_step an int >= 0, found "
+                          f"{ids_per_step!r}.")
+    row = config.dim * VALUE_BYTES
+    per_id = 32 + 4 + 3 * row
+    if world_size > 1:
+        per_id += 2 * (8 + row)
+    return ids_per_step * per_id
+
+
 def _rows_bytes(rows: int, dim: int, state: int) -> dict[str, int]:
     return {"values_bytes": rows * dim * VALUE_BYTES,
             "optimizer_state_bytes": rows * state * VALUE_BYTES}
 
 
 def table_memory(config: TableConfig, *, rows: int | None = None, mode: StorageMode | None = None,
-                 cache_load_factor: float | None = None) -> MemoryUsage:
-    """Bytes per tier of a table of ``config`` once built (every tensor is allocated up front).
+                 cache_load_factor: float | None = None, world_size: int = 1,
+                 ids_per_step: int = 0) -> MemoryUsage:
+    """Bytes per tier of a table of ``config`` once built (every tensor is allocated up front),
+    or of one rank's shard of it over ``world_size`` ranks.
 
-    ``rows``, ``mode`` and ``cache_load_factor`` override the config's capacity and storage (the
-    planner tries other options with them).
+    ``rows``, ``mode`` and ``cache_load_factor`` override the shard's capacity and the storage
+    (the planner tries other options with them). ``ids_per_step`` > 0 adds the estimated working
+    set of a training step to hbm (``working_bytes``, see :func:`working_set_bytes`).
     """
     storage = config.storage
     mode = storage.mode if mode is None else mode
     x = storage.cache_load_factor if cache_load_factor is None else cache_load_factor
-    lay = storage_layout(config.capacity if rows is None else rows, config.bucket_capacity, mode, x)
+    if mode == StorageMode.AUTO or x is None:
+        storage.require_planned(config.name)  # raises: nothing to measure yet
+    if rows is None:
+        rows = shard_capacity(config.capacity, world_size)
+    lay = storage_layout(rows, config.bucket_capacity, mode, x)
     dim, state = config.dim, state_width(config.optimizer, config.dim)
     admission = 0
     if config.admission is not None:
@@ -166,5 +206,6 @@ def table_memory(config: TableConfig, *, rows: int | None = None, mode: StorageM
         hbm_index, ddr_index = lay.slots * INDEX_BYTES_PER_SLOT, 0
     return MemoryUsage(
         hbm=TierMemory(**_rows_bytes(lay.hbm_rows, dim, state), index_bytes=hbm_index,
-                       admission_bytes=admission),
+                       admission_bytes=admission,
+                       working_bytes=working_set_bytes(config, ids_per_step, world_size)),
         ddr=TierMemory(**_rows_bytes(lay.ddr_rows, dim, state), index_bytes=ddr_index))

@@ -67,6 +67,7 @@ class DynamicTable(TableChecks, TableReports):
         self.optimizer = RowOptimizer(config.optimizer, config.dim)
         self._policy = POLICY_CODES[config.score]
         st = config.storage
+        st.require_planned(config.name)
         self.layout = storage_layout(config.capacity, config.bucket_capacity, st.mode,
                                      st.cache_load_factor)
         self.mode = self.layout.mode

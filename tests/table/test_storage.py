@@ -294,8 +294,16 @@ def test_incremental_export_and_eviction_log(backend):
 
 
 def test_storage_config_validation(tmp_path):
-    with pytest.raises(ConfigError, match="cache_load_factor"):
-        Storage(mode=StorageMode.CACHING)
+    for unplanned in (Storage(mode=StorageMode.CACHING), Storage(mode=StorageMode.AUTO),
+                      Storage(mode=StorageMode.AUTO, cache_load_factor=0.3)):
+        assert not unplanned.planned  # the planner chooses the rest; building refuses it
+        with pytest.raises(ConfigError, match="'t'.*left to the planner.*planner.plan"):
+            dynemb.DynamicTable(_config(unplanned))
+        with pytest.raises(ConfigError, match="left to the planner"):
+            dynemb.EmbeddingBagCollection([_config(unplanned)])
+        with pytest.raises(ConfigError, match="left to the planner"):
+            dynemb.table_memory(_config(unplanned))
+    assert Storage(mode=StorageMode.AUTO, cache_load_factor=1.0).planned
     with pytest.raises(ConfigError, match="cache_load_factor"):
         Storage(mode=StorageMode.HYBRID, cache_load_factor=0.05)
     with pytest.raises(ConfigError, match="HBM_ONLY"):
