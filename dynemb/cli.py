@@ -4,8 +4,11 @@
 
     dynemb train [--config run.yaml] [--data movielens-100k|synthetic|criteo:PATH] [--steps N]
                  [--batch-size B] [--out runs/NAME] [--resume | --overwrite]
-                 [--set KEY=VALUE ...]
+                 [--plan plan.json] [--set KEY=VALUE ...]
     dynemb inspect PATH [--verify] [--json]
+    dynemb plan --tables tables.yaml [--data SOURCE] [--topology topo.yaml | --from-machine]
+                [--calibration cal.json] [--out plan.json] [--plot plan.png]
+    dynemb calibrate [--device cpu|cuda] [--out cal.json] [--quick]
 
 Errors the user can fix (a bad config, data file or run directory: every
 :class:`~dynemb.errors.DynembError`) are printed as one message, without a traceback, and exit
@@ -57,7 +60,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a DLRM click model",
                        description="Train a DLRM click model with dynamic embedding tables; "
                                    "writes metrics.json, config.yaml and checkpoints/ under "
-                                   "--out. Under torchrun the tables are sharded over the ranks.")
+                                   "--out. Under torchrun the tables are sharded over the ranks. "
+                                   "Tables left to the planner (embeddings.storage: auto, the "
+                                   "default) are placed at start-up, within this machine's "
+                                   "memory (or the embeddings.*_bytes_* budgets).")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config (see "
                    "dynemb.train.TrainConfig); flags below override it")
     p.add_argument("--data", metavar="SOURCE",
@@ -72,6 +78,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--overwrite", action="store_true",
                        help="start afresh in a DIR that holds an earlier run, deleting its "
                             "checkpoints and metrics (without it, such a DIR is refused)")
+    p.add_argument("--plan", metavar="FILE",
+                   help="build the tables from this saved plan (dynemb plan --out FILE) "
+                        "instead of planning them at start-up (embeddings.plan)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set data.split=time (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -83,7 +92,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     data = read_file(args.config) if args.config else {}
     data = apply_overrides(data, args.set)
     for flag, key in (("data", "data.source"), ("steps", "steps"),
-                      ("batch_size", "batch_size"), ("out", "out")):
+                      ("batch_size", "batch_size"), ("out", "out"),
+                      ("plan", "embeddings.plan")):
         value = getattr(args, flag)
         if value is not None:
             _set(data, key, value, flag.replace("_", "-"))
@@ -128,7 +138,80 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_train, _add_inspect)
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose each table's storage mode and cache_load_factor",
+                       description="Choose per table HBM_ONLY, HYBRID or CACHING and its "
+                                   "cache_load_factor, minimising the predicted step time within "
+                                   "the hbm and ddr budgets; prints the plan and writes it as "
+                                   "JSON (see docs/planner.md).")
+    p.add_argument("--tables", required=True, metavar="FILE",
+                   help="YAML list of tables (TableConfig fields, optional profile:)")
+    p.add_argument("--data", metavar="SOURCE", help="profile the tables on the first batches of "
+                   "movielens-100k, synthetic or criteo:PATH (default: the tables file's "
+                   "profile: blocks, else a uniform default)")
+    p.add_argument("--config", metavar="FILE", help="a `dynemb train` config whose data settings "
+                   "and batch size the profiling uses")
+    p.add_argument("--batch-size", type=int, metavar="B", help="samples per profiled batch "
+                   "(default: the train config's, 256)")
+    p.add_argument("--profile-steps", type=int, default=32, metavar="N",
+                   help="batches profiled (default 32, as `dynemb train`)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--topology", metavar="FILE", help="YAML topology: world_size, "
+                       "ranks_per_host, hbm_bytes_per_rank, ddr_bytes_per_host, device, reserves")
+    where.add_argument("--from-machine", action="store_true",
+                       help="this machine's topology (the default)")
+    p.add_argument("--world-size", type=int, metavar="W", help="ranks in all (overrides)")
+    p.add_argument("--ranks-per-host", type=int, metavar="R", help="ranks per host (overrides)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device kind (overrides)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="cost constants from `dynemb calibrate` (default: the device's defaults)")
+    p.add_argument("--x-step", type=float, metavar="S", help="try cache_load_factor 0.1, "
+                   "0.1+S, ... (default 0.1)")
+    p.add_argument("--out", default="plan.json", metavar="FILE",
+                   help="where the plan is written (default plan.json)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the plan into this PNG")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from dynemb.cli_plan import run_plan
+
+    _setup_logging(args.verbose)
+    if args.profile_steps < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise ConfigError("--profile-steps and --batch-size: expected ints >= 1, found "
+                          f"{args.profile_steps} and {args.batch_size}.")
+    return run_plan(args)
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine's cost constants for the planner",
+                       description="Measure the planner's cost constants on this machine with "
+                                   "short runs of every storage mode, fit them, print them and "
+                                   "write them as JSON for `dynemb plan --calibration`.")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="where the tables run (default: cuda if available, else cpu)")
+    p.add_argument("--out", default="calibration.json", metavar="FILE",
+                   help="where the constants are written (default calibration.json)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads, as the training runs use (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny runs (seconds): checks the command, not the machine")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(handler=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from dynemb.cli_plan import run_calibrate
+
+    _setup_logging(args.verbose)
+    if args.threads < 1:
+        raise ConfigError(f"--threads: expected an int >= 1, found {args.threads}.")
+    return run_calibrate(args)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_train, _add_inspect, _add_plan, _add_calibrate)
 """The functions that add each subcommand's parser (and its ``handler``)."""
 
 

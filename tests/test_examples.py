@@ -54,3 +54,25 @@ def test_readme_storage_block_runs():
     exec(compile("import dynemb\n" + code, "README.md", "exec"), scope)  # noqa: S102
     mem = scope["dynemb"].table_memory(scope["table"])
     assert 0 < mem.hbm_bytes < mem.ddr_bytes
+
+
+def test_readme_planner_block_runs():
+    """The README's planner block runs as written on three tables: every table gets a planned,
+    buildable storage within the budget."""
+    import torch
+
+    import dynemb
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Planning where tables live"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    auto = dynemb.Storage(mode=dynemb.StorageMode.AUTO)
+    tables = [dynemb.TableConfig(name=n, dim=128, features=[n], capacity=cap,
+                                 optimizer=dynemb.Adam(), storage=auto)
+              for n, cap in (("item", 1 << 30), ("user", 1 << 29), ("ads", 1 << 20))]
+    scope = {"tables": tables, "sample_ids": torch.randint(0, 1 << 20, (100_000,))}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
+    plan, planned = scope["plan"], scope["tables"]
+    assert all(t.storage.planned for t in planned)
+    assert plan.hbm_bytes_per_rank <= scope["topo"].hbm_budget
+    assert plan.tables["item"].mode != dynemb.StorageMode.HBM_ONLY  # 1.6 TiB cannot stay in hbm

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from dynemb.config import OnFull, PoolingMode, ScorePolicy
+from dynemb.config import OnFull, PoolingMode, ScorePolicy, Storage, StorageMode
 from dynemb.data.base import is_int, is_number, require
 from dynemb.data.movielens import Split
 from dynemb.data.synthetic import SyntheticConfig
@@ -157,11 +157,42 @@ class EmbeddingConfig:
     """When an id cannot get a row (a full table without eviction)."""
     backend: str | None = None
     """Kernel backend: ``numba``, ``torch`` or null (numba on CPU, torch elsewhere)."""
+    storage: StorageMode = StorageMode.AUTO
+    """Every table's storage mode: ``auto`` (the planner chooses HBM_ONLY, HYBRID or CACHING
+    and the cache_load_factor at start-up), ``hbm_only``, ``hybrid`` or ``caching`` (the mode
+    pinned; its cache_load_factor is ``cache_load_factor``, or planned when that is null)."""
+    cache_load_factor: float | None = None
+    """x in [0.1, 1.0], the share of each table's rows in hbm (HYBRID) or cached there
+    (CACHING); null: planned (``hbm_only``: 1.0)."""
+    ddr_path: str | None = None
+    """A directory for the ddr tier's memory-mapped files (one ``rank<r>/`` per rank under
+    torchrun); null: the ddr tier in RAM. Its files are deleted when the run ends (the rows
+    are in the checkpoints)."""
+    plan: str | None = None
+    """A saved plan (``plan.json`` of ``dynemb plan`` or of an earlier run) to build the tables
+    from instead of planning; its tables must be this run's. ``dynemb train --plan FILE``."""
+    calibration: str | None = None
+    """A cost calibration (``dynemb calibrate --out FILE``) for the planner; null: the
+    documented defaults of ``device``."""
+    hbm_bytes_per_rank: int | None = None
+    """The planner's hbm per rank, in bytes; null: this machine's (the GPU's memory, or on a
+    CPU host each rank's share of the RAM available at start-up)."""
+    ddr_bytes_per_host: int | None = None
+    """The planner's ddr per host, in bytes; null: this machine's (host RAM on a GPU host; on a
+    CPU host the free disk under ``ddr_path``, or without it the available RAM)."""
+    hbm_reserve_fraction: float = 0.15
+    """Share of hbm the planner leaves free (dense model, activations, allocator slack)."""
+    ddr_reserve_fraction: float = 0.1
+    """Share of ddr the planner leaves free."""
+    profile_steps: int = 32
+    """Training batches whose ids are each table's access profile for the planner: the first
+    batches of the run (at most the steps it trains), which it then trains on as usual."""
 
     def __post_init__(self) -> None:
         own = "EmbeddingConfig"
         for name, kind in (("optimizer", SparseOptimizer), ("score", ScorePolicy),
-                           ("pooling", PoolingMode), ("on_full", OnFull)):
+                           ("pooling", PoolingMode), ("on_full", OnFull),
+                           ("storage", StorageMode)):
             object.__setattr__(self, name, _check_enum(own, name, getattr(self, name), kind))
         for name in ("lr", "weight_decay", "init_std"):
             value = getattr(self, name)
@@ -170,6 +201,42 @@ class EmbeddingConfig:
         _check_int(own, "admission_threshold", self.admission_threshold, 0)
         require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
                 "numba, torch or null")
+        self._check_planning()
+
+    def _check_planning(self) -> None:
+        own = "EmbeddingConfig"
+        x = self.cache_load_factor
+        require(x is None or (is_number(x) and 0.1 <= x <= 1.0), own, "cache_load_factor", x,
+                "a number in [0.1, 1.0] or null (planned)")
+        for name in ("ddr_path", "plan", "calibration"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and value != ""), own, name,
+                    value, "a path or null")
+        for name in ("hbm_bytes_per_rank", "ddr_bytes_per_host"):
+            value = getattr(self, name)
+            require(value is None or (is_int(value) and 0 <= value < 1 << 62), own, name,
+                    value, "a number of bytes (an int >= 0) or null (this machine's)")
+        for name in ("hbm_reserve_fraction", "ddr_reserve_fraction"):
+            value = getattr(self, name)
+            require(is_number(value) and 0 <= value < 1, own, name, value,
+                    "a number in [0, 1)")
+        _check_int(own, "profile_steps", self.profile_steps, 1, 4096)
+        self.table_storage()  # storage, cache_load_factor and ddr_path must go together
+
+    def table_storage(self) -> Storage:
+        """The ``Storage`` of every table as configured (planned later where it is left open).
+
+        Raises:
+            ConfigError: the three settings do not go together (e.g. ``hbm_only`` with a
+                cache_load_factor below 1, or with a ``ddr_path``).
+        """
+        try:
+            return Storage(mode=self.storage, cache_load_factor=self.cache_load_factor,
+                           ddr_path=self.ddr_path)
+        except ConfigError as error:
+            raise ConfigError(f"EmbeddingConfig.storage {self.storage.value!r}, "
+                              f"cache_load_factor {self.cache_load_factor!r}, ddr_path "
+                              f"{self.ddr_path!r}: they do not go together ({error})") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,8 @@
 """The training loop of ``dynemb train``: build, (resume), train, evaluate, report.
 
+Before the first step the tables are placed (:mod:`dynemb.train.planning`: the planner on rank
+0, a saved plan, or the resumed run's plan; shared with every rank) and built.
+
 One step: the next batch (prefetched by a background thread), the DLRM's forward, binary
 cross-entropy, backward (the tables' fused optimizers update their rows in place), the dense
 gradients summed over the ranks, the dense optimizer's step. Under torchrun each rank trains on
@@ -10,7 +13,9 @@ those of the mean loss over the global batch, as in one process.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,14 +29,14 @@ from dynemb.data.base import Batch, DataSource
 from dynemb.data.prefetch import Prefetcher, worker_batches
 from dynemb.errors import ConfigError, DynembError
 from dynemb.models.dlrm import DLRM
-from dynemb.train import checkpoints
+from dynemb.train import checkpoints, planning
 from dynemb.train.config import TrainConfig
 from dynemb.train.config_io import dump_yaml
 from dynemb.train.evaluate import evaluate, evaluate_train
 from dynemb.train.parallel import Env, all_max, all_sum, environment, sum_gradients
 from dynemb.train.progress import Progress
-from dynemb.train.report import memory_report, table_report, write_json
-from dynemb.train.setup import build_model, dense_optimizer, make_source
+from dynemb.train.report import memory_report, plan_report, table_report, tier_counts, write_json
+from dynemb.train.setup import build_model, dense_optimizer, make_source, table_configs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +53,10 @@ class Run:
     model: DLRM
     optimizer: torch.optim.Optimizer
     progress: Progress
+    settled: planning.RunPlan
+    """How the tables were placed (the same on every rank)."""
+    first_batches: list[Batch] = field(default_factory=list)
+    """Rank 0: the batches the planner profiled, trained on first."""
     history: list[dict] = field(default_factory=list)
     train_s: float = 0.0
     """Seconds spent in training steps (data wait included; evaluation and saving not)."""
@@ -56,6 +65,10 @@ class Run:
     data_wait_s: float = 0.0
     """Of ``train_s``, seconds spent waiting for the next batch."""
     saved_step: int = -1
+    step_s: list[float] = field(default_factory=list)
+    """Seconds of each training step of this process (as ``train_s`` counts them)."""
+    tier_counts: torch.Tensor | None = None
+    """(T, 2) this rank's (lookups, hbm hits) per table during the training steps."""
 
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
@@ -93,7 +106,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                         point.path, point.step)
             return {"nothing_to_do": True, "out": config.out, "steps": config.steps,
                     "resumed_from": point.step}
-        run = _prepare(config, env, interactive)
+        run = _prepare(config, env, interactive, point)
         try:
             start = 0
             if point is not None:
@@ -104,6 +117,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
             metrics = _finish(run, start, wall)
         finally:
             run.progress.close()
+            run.model.embeddings.close(delete_files=True)  # ddr files: the rows are saved
     return metrics
 
 
@@ -152,14 +166,31 @@ def _claim(config: TrainConfig, resume: bool, overwrite: bool) -> checkpoints.Re
     return point
 
 
-def _prepare(config: TrainConfig, env: Env, interactive: bool | None) -> Run:
+def _prepare(config: TrainConfig, env: Env, interactive: bool | None,
+             point: checkpoints.ResumePoint | None) -> Run:
     source = make_source(config.data)
-    model = build_model(config, source, env)
+    tables = table_configs(config, source)
+    start = 0 if point is None else point.step
+    profiled: list[Batch] = []
+
+    def settle() -> planning.RunPlan:  # rank 0; the batches stay there
+        settled, batches = planning.settle(config, tables, source, world_size=env.world_size,
+                                           out=Path(config.out), resume=point is not None,
+                                           start=start)
+        profiled.extend(batches)
+        return settled
+
+    settled = _on_main(env, settle)
+    if env.is_main:
+        for line in planning.describe(settled):
+            logger.info("%s", line)
+    model = build_model(config, source, env, settled.plan)
     progress = Progress(config.steps, enabled=env.is_main, interactive=interactive)
     logger.debug("rank %d: %s, %d dense and %d sparse features", env.rank, source.name,
                  len(source.dense_names), len(source.features))
     return Run(config=config, env=env, out=Path(config.out), source=source, model=model,
-               optimizer=dense_optimizer(config, model), progress=progress)
+               optimizer=dense_optimizer(config, model), progress=progress, settled=settled,
+               first_batches=profiled)
 
 
 def _step(run: Run, batch: Batch, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -179,25 +210,31 @@ def _fit(run: Run, start: int) -> None:
     cfg, env = run.config, run.env
     run.progress.advance_to(start)
     per_rank = cfg.batch_size // env.world_size
+    first, run.first_batches = run.first_batches, []
+    after = start + len(first)  # the batches the planner profiled come first
     if cfg.data.workers:
         stream = worker_batches(run.source, per_rank, rank=env.rank,
-                                world_size=env.world_size, start=start)
+                                world_size=env.world_size, start=after)
     else:
         stream = run.source.train_batches(per_rank, rank=env.rank, world_size=env.world_size,
-                                          start=start)
+                                          start=after)
     params = run.model.dense_parameters()
     window = [torch.zeros((), dtype=torch.float64, device=env.device), 0]
     run.model.train()
-    with Prefetcher(stream, cfg.data.prefetch) as batches:
+    before = tier_counts(run.model)
+    with Prefetcher(itertools.chain(first, stream), cfg.data.prefetch) as batches:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             loss = _step(run, next(batches).to(env.device), params)
             window[0] += loss
             window[1] += 1
-            run.train_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            run.train_s += took
+            run.step_s.append(took)
             run.progress.step()
             _after_step(run, step, start, window)
         run.data_wait_s = batches.wait_s
+    run.tier_counts = tier_counts(run.model) - before
 
 
 def _after_step(run: Run, step: int, start: int, window: list) -> None:
@@ -251,7 +288,8 @@ def _finish(run: Run, start: int, wall: float) -> dict:
     train_metrics["loss_last_window"] = run.last_loss
     if cfg.checkpoint_at_end and run.saved_step != cfg.steps:
         _save(run, cfg.steps)
-    times = all_max(env, torch.tensor([run.train_s, run.data_wait_s],
+    step_ms = 1e3 * statistics.median(run.step_s) if run.step_s else 0.0
+    times = all_max(env, torch.tensor([run.train_s, run.data_wait_s, step_ms],
                                       dtype=torch.float64, device=env.device)).tolist()
     steps_run = cfg.steps - start
     metrics = {
@@ -261,8 +299,9 @@ def _finish(run: Run, start: int, wall: float) -> dict:
         "throughput": {"samples_per_s": steps_run * cfg.batch_size / times[0] if times[0] else 0.0,
                        "train_s": times[0], "data_wait_s": times[1],
                        "data_wait_share": times[1] / times[0] if times[0] else 0.0,
-                       "wall_s": time.perf_counter() - wall},
+                       "step_ms_median": times[2], "wall_s": time.perf_counter() - wall},
         "tables": table_report(run.model, env), "memory": memory_report(env),
+        "plan": plan_report(run.settled, run.model, env, run.tier_counts, times[2]),
         "history": run.history,
     }
     if env.is_main:

@@ -1,10 +1,12 @@
-"""What a run reports: per-table counters (summed over the ranks), peak memory, the summary
-text printed at the end, and ``metrics.json``."""
+"""What a run reports: per-table counters (summed over the ranks), peak memory, the plan's
+predictions next to what was measured, the summary text printed at the end, and
+``metrics.json``."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 from pathlib import Path
 
@@ -12,7 +14,9 @@ import torch
 
 from dynemb.errors import ConfigError
 from dynemb.models.dlrm import DLRM
-from dynemb.train.parallel import Env, all_max, all_sum
+from dynemb.table.memory import table_memory
+from dynemb.train.parallel import Env, all_gather_cat, all_max, all_sum
+from dynemb.train.planning import RunPlan
 
 _COUNTERS = ("size", "capacity", "lookups", "hits", "inserted", "evicted", "failed_inserts",
              "admission_rejected", "forgotten_sightings", "nonfinite_grads")
@@ -32,6 +36,83 @@ def table_report(model: DLRM, env: Env) -> dict[str, dict[str, float]]:
         entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else math.nan
         out[name] = entry
     return out
+
+
+def tier_counts(model: DLRM) -> torch.Tensor:
+    """(T, 2) float64 (lookups, hbm hits) of this rank's tables so far (TableStats)."""
+    stats = [t.stats() for t in model.embeddings.tables.values()]
+    return torch.tensor([[s.lookups, s.hbm_hits] for s in stats], dtype=torch.float64)
+
+
+def _memory(model: DLRM, env: Env) -> torch.Tensor:
+    """(W, T, 2) float64: every rank's (hbm, ddr) bytes of each table's shard, from
+    ``DynamicTable.memory_usage()`` (collective)."""
+    tables = model.embeddings.tables
+    own = torch.tensor([[u.hbm_bytes, u.ddr_bytes] for u in
+                        (t.memory_usage() for t in tables.values())], dtype=torch.float64)
+    every = all_gather_cat(env, own.reshape(1, -1).to(env.device)).cpu()
+    return every.reshape(env.world_size, len(tables), 2)
+
+
+def _per_host(bytes_per_rank: torch.Tensor, ranks_per_host: int) -> float:
+    """The largest sum over a host's ranks (torchrun numbers a host's ranks consecutively)."""
+    return max(float(bytes_per_rank[i:i + ranks_per_host].sum())
+               for i in range(0, bytes_per_rank.numel(), ranks_per_host))
+
+
+def plan_report(settled: RunPlan, model: DLRM, env: Env, counts: torch.Tensor,
+                step_ms: float) -> dict:
+    """The plan's predictions next to what the run measured (collective under torchrun).
+
+    Per table: the mode and cache_load_factor planned and built; the hbm hit rate predicted and
+    measured over the training steps (``counts``: this rank's (lookups, hbm hits) per table
+    during them, summed here over the ranks); the bytes per tier of one rank's shard planned
+    (hbm including the estimated per-step working set, given apart) and measured
+    (``memory_usage()``: the largest rank's, and whether every rank's shard has the same); the
+    predicted ms per step. In all: the tables'
+    predicted ms per step next to the measured median step time (``step_ms``, the whole step),
+    and the bytes per rank and per host against the budgets.
+    """
+    result = settled.plan
+    info = {"origin": settled.origin, "file": settled.path, "seconds": settled.seconds,
+            "batch_seconds": settled.batch_seconds, "profile_steps": settled.profile_steps}
+    if result is None:
+        return info
+    counts = all_sum(env, counts.to(env.device)).cpu()
+    memory = _memory(model, env)
+    topo = result.topology
+    tables = {}
+    for i, (config, (name, table)) in enumerate(zip(model.embeddings.configs,
+                                                    model.embeddings.tables.items())):
+        choice = result.tables[name]
+        static = table_memory(config, world_size=topo.world_size)
+        lookups, hits = counts[i].tolist()
+        tables[name] = {
+            "mode": choice.mode.value, "cache_load_factor": choice.cache_load_factor,
+            "pinned": choice.pinned, "built_mode": table.mode.value,
+            "built_cache_load_factor": table.config.storage.cache_load_factor,
+            "predicted_hbm_hit_rate": choice.predicted_hit_rate,
+            "measured_hbm_hit_rate": hits / lookups if lookups else math.nan,
+            "predicted_hbm_bytes": choice.hbm_bytes,
+            "predicted_working_bytes": choice.hbm_bytes - static.hbm_bytes,
+            "measured_hbm_bytes": int(memory[:, i, 0].max()),
+            "predicted_ddr_bytes": choice.ddr_bytes,
+            "measured_ddr_bytes": int(memory[:, i, 1].max()),
+            "measured_same_on_every_rank": bool((memory[:, i] == memory[0, i]).all()),
+            "predicted_ms": choice.predicted_ms}
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(env.world_size)))
+    totals = memory.sum(dim=1)  # (W, 2) per rank
+    return {**info, "cost_source": result.cost_source, "optimal": result.optimal,
+            "topology": topo.as_dict(),
+            "predicted_ms_per_step": result.predicted_ms, "measured_step_ms_median": step_ms,
+            "hbm_budget_per_rank": topo.hbm_budget,
+            "predicted_hbm_bytes_per_rank": result.hbm_bytes_per_rank,
+            "measured_hbm_bytes_per_rank": int(totals[:, 0].max()),
+            "ddr_budget_per_host": topo.ddr_budget_per_host,
+            "predicted_ddr_bytes_per_host": result.ddr_bytes_per_host,
+            "measured_ddr_bytes_per_host": int(_per_host(totals[:, 1],
+                                                         max(1, min(local, env.world_size)))),
+            "tables": tables}
 
 
 def memory_report(env: Env) -> dict[str, float]:
@@ -78,7 +159,40 @@ def format_summary(metrics: dict) -> str:
             ("failed_inserts", "failed inserts"), ("nonfinite_grads", "non-finite gradient rows"),
             ("forgotten_sightings", "forgotten admission sightings")) if t.get(k, 0)]
         lines.append(line + "".join(f"  {n:,} {what}" for n, what in lost))
+    lines += _plan_lines(metrics.get("plan"))
     return "\n".join(lines)
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.2f}"
+
+
+def _plan_lines(plan: dict | None) -> list[str]:
+    """The summary's plan: per table what was predicted next to what was measured."""
+    if not plan or "tables" not in plan:
+        return ["  plan   none: every table's storage is given in the config"] if plan else []
+    how = {"planned": f"planned at start-up in {plan['seconds']:.2f} s (profiled on "
+                      f"{plan['profile_steps']} batch(es) built in {plan['batch_seconds']:.2f} "
+                      "s)", "file": f"from --plan {plan['file']}",
+           "resumed": f"the resumed run's {plan['file']}"}.get(plan["origin"], plan["origin"])
+    lines = [f"  plan   {how} ({plan['cost_source']}); predicted (steady state) | measured (this run):",
+             f"  plan   step: tables {plan['predicted_ms_per_step']:.3f} ms predicted | whole "
+             f"step {_fmt(plan['measured_step_ms_median'], 3)} ms measured (median)",
+             f"  plan   hbm per rank {_mib(plan['predicted_hbm_bytes_per_rank'])} | "
+             f"{_mib(plan['measured_hbm_bytes_per_rank'])} MiB (budget "
+             f"{_mib(plan['hbm_budget_per_rank'])}); ddr per host "
+             f"{_mib(plan['predicted_ddr_bytes_per_host'])} | "
+             f"{_mib(plan['measured_ddr_bytes_per_host'])} MiB (budget "
+             f"{_mib(plan['ddr_budget_per_host'])})"]
+    for name, t in plan["tables"].items():
+        lines.append(
+            f"  plan   {name:<12} {t['mode']:<8} x={t['cache_load_factor']:.2f}  hbm hit rate "
+            f"{_fmt(t['predicted_hbm_hit_rate'], 3)} | {_fmt(t['measured_hbm_hit_rate'], 3)}  "
+            f"hbm {_mib(t['predicted_hbm_bytes'])} (working set "
+            f"{_mib(t['predicted_working_bytes'])}) | {_mib(t['measured_hbm_bytes'])} MiB  "
+            f"ddr {_mib(t['predicted_ddr_bytes'])} | {_mib(t['measured_ddr_bytes'])} MiB  "
+            f"{t['predicted_ms']:.4f} ms")
+    return lines
 
 
 def write_json(path: Path, data: dict) -> None:

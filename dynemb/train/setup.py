@@ -1,5 +1,5 @@
-"""Building a run from its config: the data source, the tables, the DLRM (sharded under
-torchrun) and the dense optimizer."""
+"""Building a run from its config: the data source, the tables (placed by a plan, see
+:mod:`dynemb.train.planning`), the DLRM (sharded under torchrun) and the dense optimizer."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from dynemb.data.criteo import CriteoTSV
 from dynemb.data.movielens import MovieLens100K
 from dynemb.data.synthetic import SyntheticData
 from dynemb.distributed import shard
+from dynemb.errors import ConfigError
 from dynemb.models.dlrm import DLRM
+from dynemb.planner import Plan
 from dynemb.train.config import (
     DataConfig, DenseOptimizer, EmbeddingConfig, SparseOptimizer, TrainConfig,
 )
 from dynemb.train.parallel import Env, broadcast_parameters
+from dynemb.train.planning import apply_plan, needs_planning, plan_tables
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +55,45 @@ def table_rows(config: EmbeddingConfig, num_ids: int | None) -> int:
 
 
 def table_configs(config: TrainConfig, source: DataSource) -> list[TableConfig]:
-    """One table per sparse feature, named after it."""
+    """One table per sparse feature, named after it, with the configured storage (left to the
+    planner where ``embeddings.storage`` is ``auto`` or its cache_load_factor is null)."""
     emb = config.embeddings
     admission = (Admission(threshold=emb.admission_threshold)
                  if emb.admission_threshold > 1 else None)
     return [TableConfig(name=f.name, dim=config.model.embedding_dim, features=[f.name],
                         capacity=table_rows(emb, f.num_ids), optimizer=sparse_optimizer(emb),
                         score=emb.score, pooling=emb.pooling, admission=admission,
-                        initializer=Initializer(std=emb.init_std), on_full=emb.on_full)
+                        initializer=Initializer(std=emb.init_std), on_full=emb.on_full,
+                        storage=emb.table_storage())
             for f in source.features]
 
 
-def build_model(config: TrainConfig, source: DataSource, env: Env) -> DLRM:
+def build_model(config: TrainConfig, source: DataSource, env: Env,
+                plan: Plan | None = None) -> DLRM:
     """The DLRM on ``env.device``; under torchrun its tables are sharded row-wise over the
-    ranks and its dense layers start equal on every rank (collective)."""
+    ranks and its dense layers start equal on every rank (collective).
+
+    Args:
+        plan: places the tables left to the planner (checked against them). None: in one
+            process they are planned here (:func:`dynemb.train.planning.plan_tables`, profiled
+            on the first training batches); under torchrun a plan is required, made once for
+            every rank (``dynemb train`` makes it on rank 0 and shares it).
+    Raises:
+        ConfigError: a table is left to the planner and there is no plan (under torchrun), or
+            the plan does not fit the tables.
+    """
+    tables = table_configs(config, source)
+    if plan is None and needs_planning(tables):
+        if env.distributed:
+            raise ConfigError("build_model: tables are left to the planner "
+                              f"({[t.name for t in tables if not t.storage.planned]}); expected "
+                              "a plan made once for every rank (dynemb.train.planning.settle "
+                              "on rank 0, shared), or a planned storage.")
+        plan, _ = plan_tables(config, tables, source, world_size=1)
+    if plan is not None:
+        tables = apply_plan(plan, tables, "the plan")
     torch.manual_seed(config.seed)
-    model = DLRM(dense_dim=len(source.dense_names), tables=table_configs(config, source),
+    model = DLRM(dense_dim=len(source.dense_names), tables=tables,
                  bottom_mlp=config.model.bottom_mlp, top_mlp=config.model.top_mlp,
                  device=env.device, backend=config.embeddings.backend)
     if env.distributed:
