@@ -165,3 +165,40 @@ def test_checkpoint_io_smoke(tmp_path):
                                   "incremental_export_vs_full_save_time"}
     assert all(map(positive, rec["ratios"].values()))
     assert list(tmp_path.glob("dynemb-ckpt-bench-*")) == []  # the checkpoints were removed
+
+
+def test_planner_smoke(tmp_path):
+    rec = run_smoke("planner", tmp_path)
+    results = rec["results"]
+    assert len(results) == 10 and len({r["name"] for r in results}) == 10
+    modes = {t["mode"] for r in results for t in r["tables"]}
+    assert modes == {"hbm_only", "hybrid", "caching"}
+    assert {t["ddr"] for r in results for t in r["tables"]} == {"none", "ram", "mmap"}
+    assert {t["zipf_alpha"] for r in results for t in r["tables"]} == {0.0, 1.05, 1.2}
+    kinds = ("predicted_zipf", "predicted_sampled_ids", "baseline_skew_blind",
+             "baseline_cpu_defaults")
+    for r in results:
+        m = r["measured"]
+        assert positive(m["step_ms"]) and positive(m["step_cpu_ms"]) and m["steps"] == 4
+        assert len(m["hbm_hit_rate"]) == len(r["tables"])
+        for k in kinds:
+            assert positive(r[k]["step_ms"]), (r["name"], k)
+            assert all(0 <= h <= 1 for h in r[k]["hbm_hit_rate"] + m["hbm_hit_rate"])
+        for t, h in zip(r["tables"], m["hbm_hit_rate"]):
+            if t["mode"] == "hbm_only":  # filled with every id: every lookup hits hbm
+                assert h == 1.0 and r["predicted_zipf"]["hbm_hit_rate"][0] == 1.0
+    for k in kinds:
+        acc = rec["accuracy"][k]
+        assert 0 <= acc["max_abs_error_hbm_hit_rate"] <= 1
+        assert acc["median_abs_rel_error_step_ms"] >= 0
+        assert acc["spearman_step_ms"] is None or -1 <= acc["spearman_step_ms"] <= 1
+    assert [s["world_size"] for s in rec["solver"]] == [8, 64]
+    for s in rec["solver"]:
+        assert positive(s["solve_s"]) and s["options_per_table"] == [19] and s["optimal"]
+        assert s["plan_hbm_bytes_per_rank"] <= s["hbm_budget_bytes_per_rank"]
+        assert s["plan_ddr_bytes_per_rank"] <= s["ddr_budget_bytes_per_rank"]
+        assert isinstance(s["nodes"], int) and s["nodes"] >= 0
+    assert len(rec["targets"]) == 7
+    cal = rec["calibration"]
+    assert len(cal["fixed_ns"]) == len(cal["per_byte_ns"]) == 8 and positive(cal["seconds_each"])
+    assert cal["calibrations"] == 2 and positive(cal["last_over_first_median_run_time_ratio"])
