@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from dynemb.errors import InputError
+from dynemb.errors import ConfigError, InputError
 
 EMPTY_KEY = -(1 << 63)
 """The reserved key (int64 minimum) that marks an empty slot; it can never be an id."""
@@ -66,6 +66,19 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
         shown = total if approx <= 1.5 * n + 1 else f"about {approx:.4g}"
         raise InputError(f"{where}: lengths sum to {shown} but there are {n} ids; expected "
                          "them equal.")
+
+
+FEATURE_POLICIES = ("strict", "ignore")
+"""What a collection does with batch features none of its tables reads: refuse the batch
+(``strict``, the default) or skip them (``ignore``, as torchrec does)."""
+
+
+def check_feature_policy(policy: object, who: str) -> str:
+    """``policy`` if it is one of FEATURE_POLICIES, else ConfigError naming ``who``."""
+    if policy not in FEATURE_POLICIES:
+        raise ConfigError(f"{who}: feature_policy must be one of {list(FEATURE_POLICIES)}, found "
+                          f"{policy!r}.")
+    return policy
 
 
 class SparseBatch:
@@ -174,14 +187,45 @@ class SparseBatch:
                            lengths=self.lengths.to(device),
                            weights=None if self.weights is None else self.weights.to(device))
 
-    def require_features(self, expected: tuple[str, ...], who: str) -> None:
-        """Raises InputError (naming ``who``) unless the batch has exactly the ``expected``
-        features, in any order."""
+    def select(self, features: Sequence[str]) -> SparseBatch:
+        """The batch of ``features`` only, in that order (this batch itself if they are its
+        features in its order). Ids, lengths and weights are copied; the weights keep their
+        autograd history, so a gradient reaches this batch's weights.
+
+        Raises:
+            InputError: a feature the batch does not have (named), or repeated names.
+        """
+        if isinstance(features, str):
+            raise InputError(f"SparseBatch.select: expected a list of feature names, found the "
+                             f"string {features!r}; write [{features!r}].")
+        names = tuple(features)
+        if names == self.features:
+            return self
+        missing = [f for f in names if f not in self.features]
+        if missing:
+            raise InputError(f"SparseBatch.select: the batch has no feature(s) {missing}; it "
+                             f"has {list(self.features)}.")
+        parts = [self.feature(f) for f in names]
+        values = torch.cat([p[0] for p in parts]) if parts else self.values[:0]
+        lengths = torch.cat([p[1] for p in parts]) if parts else self.lengths[:0]
+        weights = None if self.weights is None else (
+            torch.cat([p[2] for p in parts]) if parts else self.weights[:0])
+        return SparseBatch(features=names, values=values, lengths=lengths, weights=weights)
+
+    def require_features(self, expected: tuple[str, ...], who: str,
+                         policy: str = "strict") -> SparseBatch:
+        """The batch a module of the ``expected`` features reads: this batch if it has exactly
+        those features (in any order); with ``policy="ignore"``, the batch of those features
+        (:meth:`select`) if it has more. Raises InputError naming ``who`` otherwise."""
         unknown = sorted(set(self.features) - set(expected))
         missing = sorted(set(expected) - set(self.features))
-        if unknown or missing:
+        if missing or (unknown and policy != "ignore"):
+            hint = "" if missing or not unknown else (
+                " (build the module with feature_policy=\"ignore\" to skip the features it "
+                "does not use, or pass batch.select(features))")
             raise InputError(f"{who}: batch features do not match the tables: unknown {unknown}, "
-                             f"missing {missing}; expected {list(expected)}.")
+                             f"missing {missing}; expected {list(expected)}{hint}.")
+        return self.select(expected) if unknown else self
 
     def feature(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths (B,), weights or None) of one feature."""

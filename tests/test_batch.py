@@ -376,3 +376,29 @@ def test_from_dict_id_outside_int64_range():
 def test_features_given_as_one_string_are_refused():
     with pytest.raises(InputError, match="string"):
         SparseBatch(features="ab", values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+
+
+def test_select_keeps_the_chosen_features_in_the_order_given():
+    batch = SparseBatch.from_dict({"a": [[1, 2], []], "b": [[3], [4, 5, 6]], "c": [[7], [8]]},
+                                  weights={"a": [[0.5, 1.5], []], "b": [[2.0], [1.0, 1.0, 3.0]],
+                                           "c": [[4.0], [5.0]]})
+    sub = batch.select(["c", "a"])
+    assert sub.features == ("c", "a") and sub.batch_size == 2
+    for f in ("c", "a"):
+        for got, want in zip(sub.feature(f), batch.feature(f)):
+            assert torch.equal(got, want)
+    assert batch.select(["a", "b", "c"]) is batch
+    with pytest.raises(InputError, match=r"no feature\(s\) \['z'\]"):
+        batch.select(["a", "z"])
+    with pytest.raises(InputError, match="distinct"):
+        batch.select(["a", "a"])
+    with pytest.raises(InputError, match="list of feature names"):
+        batch.select("a")
+
+
+def test_select_passes_gradients_to_the_original_weights():
+    w = torch.tensor([0.5, 1.5, 2.0, 3.0], requires_grad=True)
+    batch = SparseBatch(features=["a", "b"], values=torch.tensor([1, 2, 3, 4]),
+                        lengths=torch.tensor([2, 0, 1, 1]), weights=w)
+    (batch.select(["b"]).weights * torch.tensor([10.0, 20.0])).sum().backward()
+    assert w.grad.tolist() == [0.0, 0.0, 10.0, 20.0]

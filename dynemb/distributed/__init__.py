@@ -69,7 +69,8 @@ def shard(module: EmbeddingBagCollection | EmbeddingCollection, *, group=None,
     if built:  # the shards map their own files (<ddr_path>/rank<r> over several ranks)
         module.close(delete_files=True)
     sharded = cls(list(module.configs), group=group, device=module.device,
-                  backend=module.backend_name, log_every=log_every)  # builds the shards
+                  backend=module.backend_name, log_every=log_every,
+                  feature_policy=module.feature_policy)  # builds the shards
     sharded.train(module.training)
     return sharded
 

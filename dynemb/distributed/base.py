@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dynemb.batch import SparseBatch
+from dynemb.batch import SparseBatch, check_feature_policy
 from dynemb.config import NonFinite, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, payload_size
@@ -88,6 +88,8 @@ class ShardedCollection(torch.nn.Module):
         device: where this rank's shards live (CPU for gloo; the rank's GPU for nccl).
         backend: kernel backend of the shards ("numba" or "torch"; default by device).
         log_every: forward calls between debug-level log lines of this rank's load.
+        feature_policy: batch features no table reads are refused ("strict") or skipped
+            ("ignore"), as in the unsharded collections.
     """
 
     pooled_kind: bool = True
@@ -95,8 +97,9 @@ class ShardedCollection(torch.nn.Module):
 
     def __init__(self, tables: Sequence[TableConfig], *, group=None,
                  device: torch.device | str | None = None, backend: str | None = None,
-                 log_every: int = 100) -> None:
+                 log_every: int = 100, feature_policy: str = "strict") -> None:
         super().__init__()
+        self.feature_policy = check_feature_policy(feature_policy, type(self).__name__)
         tables = list(tables)
         self.group = group
         self.world_size, self.rank = comm.group_size_rank(group)
@@ -173,7 +176,7 @@ class ShardedCollection(torch.nn.Module):
         self._check_usable()
         status, error, requests = comm.STATUS_OK, None, []
         try:  # any local failure is announced in the header, so no rank waits for this one
-            self._check_batch(batch)
+            batch = self._check_batch(batch)
             requests = [self._plan(c, batch) for c in self.configs]
         except Exception as e:  # noqa: BLE001  (re-raised below, after the header exchange)
             status, error = comm.STATUS_BAD_INPUT, e
@@ -260,11 +263,13 @@ class ShardedCollection(torch.nn.Module):
                               "the sharded collection again (and reshard its rows through a "
                               "checkpoint) for the new world size.")
 
-    def _check_batch(self, batch: SparseBatch) -> None:
+    def _check_batch(self, batch: SparseBatch) -> SparseBatch:
+        """The batch the tables read (see ``feature_policy``), or InputError."""
         name = type(self).__name__
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{name}: expected a SparseBatch, found {type(batch).__name__}.")
-        batch.require_features(self.feature_names, f"{name} (rank {self.rank})")
+        return batch.require_features(self.feature_names, f"{name} (rank {self.rank})",
+                                      self.feature_policy)
 
     def _check_headers(self, headers: comm.Headers, error: Exception | None) -> None:
         """Raises the same kind of error on every rank when any rank cannot go on."""

@@ -87,12 +87,13 @@ class ShardedEmbeddingCollection(ShardedCollection):
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
         return self.sequence(self.input_dist(batch).wait())
 
-    def _check_batch(self, batch: SparseBatch) -> None:
-        super()._check_batch(batch)
+    def _check_batch(self, batch: SparseBatch) -> SparseBatch:
+        batch = super()._check_batch(batch)
         if batch.weights is not None:
             raise InputError(f"ShardedEmbeddingCollection (rank {self.rank}): the batch has "
                              "per-id weights, which an unpooled lookup cannot apply; pass the "
                              "batch without weights.")
+        return batch
 
     def _plan(self, config: TableConfig, batch: SparseBatch) -> TableRequest:
         return plan_sequence(config, batch, self.world_size, self.device,

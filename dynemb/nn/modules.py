@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynemb.batch import SparseBatch, check_lengths
+from dynemb.batch import SparseBatch, check_feature_policy, check_lengths
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.kernels.backend import backend_for
@@ -169,8 +169,9 @@ class _Collection(torch.nn.Module):
     first use (:attr:`tables`), and the batch checks."""
 
     def __init__(self, tables: Sequence[TableConfig], *, device: torch.device | str | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, feature_policy: str = "strict") -> None:
         super().__init__()
+        self.feature_policy = check_feature_policy(feature_policy, type(self).__name__)
         tables = list(tables)
         if not tables or not all(isinstance(t, TableConfig) for t in tables):
             raise ConfigError(f"{type(self).__name__}: expected a non-empty list of TableConfig, "
@@ -227,10 +228,12 @@ class _Collection(torch.nn.Module):
         for t in (self._tables or {}).values():
             t.close(delete_files=delete_files)
 
-    def _check_batch(self, batch: SparseBatch) -> None:
+    def _check_batch(self, batch: SparseBatch) -> SparseBatch:
+        """The batch the tables read (see ``feature_policy``), or InputError."""
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{type(self).__name__}: expected a SparseBatch, found {type(batch).__name__}.")
-        batch.require_features(self.feature_names, type(self).__name__)
+        return batch.require_features(self.feature_names, type(self).__name__,
+                                      self.feature_policy)
 
     def _table_ids(self, table: DynamicTable, batch: SparseBatch):
         """All ids of ``table``'s features, feature after feature: (keys (N,), lengths (F·B,)
@@ -258,10 +261,12 @@ class EmbeddingBagCollection(_Collection):
             rows; choose the device here, and save rows with ``export_batch`` (checkpoints are
             a separate issue).
         backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
+        feature_policy: batch features no table reads are refused ("strict", the default) or
+            skipped ("ignore", as torchrec's collections do).
     """
 
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
-        self._check_batch(batch)
+        batch = self._check_batch(batch)
         outs, keys, dims = [], [], []
         grad = self.training and torch.is_grad_enabled()
         for table in self.tables.values():
@@ -290,7 +295,7 @@ class EmbeddingCollection(_Collection):
     are not used here: a weighted batch is refused."""
 
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
-        self._check_batch(batch)
+        batch = self._check_batch(batch)
         if batch.weights is not None:
             raise InputError("EmbeddingCollection: the batch has per-id weights, which an "
                              "unpooled lookup cannot apply; pass the batch without weights.")
