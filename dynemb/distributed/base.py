@@ -164,6 +164,7 @@ class ShardedCollection(torch.nn.Module):
 
     # ------------------------------------------------------------------ input distribution
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def input_dist(self, batch: SparseBatch) -> InputDist:
         """Routes and deduplicates this rank's ids, exchanges split sizes (a blocking header
         all-to-all that also checks every rank agrees), and starts the id all-to-all.

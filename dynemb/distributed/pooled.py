@@ -181,12 +181,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     pooled_kind = True
     local_class = EmbeddingBagCollection
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
         return self.pooled(self.input_dist(batch).wait())
 
     def _plan(self, config: TableConfig, batch: SparseBatch) -> TableRequest:
         return plan_pooled(config, batch, self.world_size, self.device)
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def pooled(self, inp: InputDist) -> KeyedEmbeddings:
         """Owner lookups, pooling and the output all-to-all of one distributed input."""
         weighted = [inp.weighted(r) for r in range(self.world_size)]

@@ -84,6 +84,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
     pooled_kind = False
     local_class = EmbeddingCollection
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
         return self.sequence(self.input_dist(batch).wait())
 
@@ -99,6 +100,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return plan_sequence(config, batch, self.world_size, self.device,
                              counts_occurrences(config, self.training))
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def sequence(self, inp: InputDist) -> dict[str, JaggedEmbeddings]:
         """Owner lookups and the row all-to-all of one distributed input."""
         owners = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_sequence(

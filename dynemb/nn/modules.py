@@ -265,6 +265,7 @@ class EmbeddingBagCollection(_Collection):
             skipped ("ignore", as torchrec's collections do).
     """
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
         batch = self._check_batch(batch)
         outs, keys, dims = [], [], []
@@ -294,6 +295,7 @@ class EmbeddingCollection(_Collection):
     """Unpooled lookups: one row per id. Returns ``{feature: JaggedEmbeddings}``. Per-id weights
     are not used here: a weighted batch is refused."""
 
+    @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
         batch = self._check_batch(batch)
         if batch.weights is not None:
