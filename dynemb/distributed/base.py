@@ -21,6 +21,7 @@ from dynemb.distributed.stats import RoutingStats, TableRoutingStats
 from dynemb.distributed.owner import OwnerTable, Scratch
 from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.optim.rules import clip_scale
+from dynemb.nn.modules import TablesStayPut, describe_table
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class InputDist:
         return comm.unpack(self.pending.wait(), self.recv_sizes)
 
 
-class ShardedCollection(torch.nn.Module):
+class ShardedCollection(TablesStayPut):
     """Base of the row-wise sharded collections (see :mod:`dynemb.distributed`).
 
     Building one is collective: every rank builds it with the same tables (checked), and each
@@ -263,6 +264,11 @@ class ShardedCollection(torch.nn.Module):
                               f"the process group now has {now}; the world size changed. Build "
                               "the sharded collection again (and reshard its rows through a "
                               "checkpoint) for the new world size.")
+
+    def extra_repr(self) -> str:
+        return "\n".join([*map(describe_table, self.configs),
+                          f"world_size={self.world_size}, rank={self.rank}, "
+                          f"device={self.device}, feature_policy={self.feature_policy!r}"])
 
     def _check_batch(self, batch: SparseBatch) -> SparseBatch:
         """The batch the tables read (see ``feature_policy``), or InputError."""

@@ -164,7 +164,35 @@ class JaggedEmbeddings:
         return list(torch.split(self.values, self.lengths.tolist()))
 
 
-class _Collection(torch.nn.Module):
+def describe_table(config: TableConfig) -> str:
+    """One line of a collection's repr: a table's features, geometry, storage and optimizer."""
+    st = config.storage
+    storage = st.mode.value if st.cache_load_factor in (None, 1.0) else \
+        f"{st.mode.value} x={st.cache_load_factor}"
+    return (f"{config.name}: features {list(config.features)}, dim {config.dim}, capacity "
+            f"{config.capacity:,}, {storage}, {type(config.optimizer).__name__}")
+
+
+class TablesStayPut(torch.nn.Module):
+    """A module whose tables are not parameters: ``.to()``, ``.cuda()``, ``.half()`` and the
+    like would convert the modules around it and leave its tables where and as they are, so
+    they raise instead (see :meth:`_apply`)."""
+
+    device: torch.device
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001  (nn.Module's signature)
+        probe = torch.zeros(1, device=self.device)
+        moved = fn(probe)
+        if moved.device != probe.device or moved.dtype != probe.dtype:
+            raise ConfigError(
+                f"{type(self).__name__}: its tables are float32 on {self.device} and cannot be "
+                f"moved or converted (to {moved.dtype} on {moved.device}): their rows are not "
+                "parameters. Build the collection on the device you want (device=...), and "
+                "convert or move only the dense submodules (e.g. model.mlp.half()).")
+        return super()._apply(fn, recurse)
+
+
+class _Collection(TablesStayPut):
     """What both collections share: the configs (checked when built), the tables, built on
     first use (:attr:`tables`), and the batch checks."""
 
@@ -196,6 +224,11 @@ class _Collection(torch.nn.Module):
         self.feature_names: tuple[str, ...] = tuple(f for t in tables for f in t.features)
         self._tables: dict[str, DynamicTable] | None = None
         self._anchor = torch.zeros(0, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return "\n".join([*map(describe_table, self.configs),
+                          f"device={self.device}, backend={self.backend_name}, "
+                          f"feature_policy={self.feature_policy!r}, built={self.built}"])
 
     @property
     def tables(self) -> dict[str, DynamicTable]:
@@ -257,9 +290,9 @@ class EmbeddingBagCollection(_Collection):
     Args:
         tables: table configs (distinct names; each feature in one table).
         device: where tables live and outputs are made (default CPU). Tables are not
-            ``nn.Parameter``s: ``Module.to()`` does not move them and ``state_dict()`` holds no
-            rows; choose the device here, and save rows with ``export_batch`` (checkpoints are
-            a separate issue).
+            ``nn.Parameter``s: ``Module.to()``, ``.cuda()``, ``.half()`` and the like raise
+            (they would leave the tables behind) and ``state_dict()`` holds no rows; choose the
+            device here, and save rows with ``dynemb.checkpoint``.
         backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
         feature_policy: batch features no table reads are refused ("strict", the default) or
             skipped ("ignore", as torchrec's collections do).
