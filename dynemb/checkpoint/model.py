@@ -3,9 +3,9 @@ anywhere in the module tree), the ranks they are sharded over, and its dense sta
 
 Tables are named ``"<module path>/<table name>"`` (just the table name for a collection at the
 root), so a sharded collection and the plain collection it was built from, at the same place in
-the model, have the same table names. Dense state names drop the ``module.`` that
-``DistributedDataParallel`` inserts, so a checkpoint of a DDP-wrapped model loads into the bare
-one and back.
+the model, have the same table names. Table module paths and dense state names drop the
+``module`` level that ``DistributedDataParallel`` inserts, so a checkpoint of a model wrapped in
+DDP (whole, or a part of it) loads into the bare one and back.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def view_model(model: torch.nn.Module) -> ModelView:
     worlds: dict[str, tuple[int, int, object]] = {}
     plain: list[str] = []
     skip: list[str] = []
+    prefixes = _ddp_prefixes(model)
     for path, m in model.named_modules():
         if any(s == "" or path == s or path.startswith(s + ".") for s in skip):
             continue  # inside a sharded collection: its shards are listed already
@@ -125,12 +126,13 @@ def view_model(model: torch.nn.Module) -> ModelView:
             skip.append(path)
             worlds[path or "<root>"] = (m.world_size, m.rank, m.group)
             for config in m.configs:
-                tables.append(TableSlot(key=_qualified(path, config.name),
+                tables.append(TableSlot(key=_qualified(_unwrapped(path, prefixes), config.name),
                                         table=m.tables[config.name], config=config, module=path))
         elif isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
             plain.append(path or "<root>")
             for name, table in m.tables.items():
-                tables.append(TableSlot(key=_qualified(path, name), table=table,
+                tables.append(TableSlot(key=_qualified(_unwrapped(path, prefixes), name),
+                                        table=table,
                                         config=table.config, module=path))
     _check_distinct(tables)
     sizes = {(w, r) for w, r, _ in worlds.values()}
@@ -165,6 +167,12 @@ def _normalise(name: str, prefixes: list[str]) -> str:
         if name.startswith(p):
             return name[:len(p) - len("module.")] + name[len(p):]
     return name
+
+
+def _unwrapped(path: str, prefixes: list[str]) -> str:
+    """A module path without the ``module`` levels DistributedDataParallel adds: the path the
+    same module has in the bare model."""
+    return _normalise(path + ".", prefixes)[:-1] if path else path
 
 
 def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

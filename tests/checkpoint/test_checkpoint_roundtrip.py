@@ -218,3 +218,29 @@ def test_property_round_trip(tmp_path_factory, monkeypatch, dim, opt, score, key
     dst = dynemb.EmbeddingBagCollection([config])
     assert checkpoint.load(path, model=dst) == len(keys)
     M.assert_same_tables(M.snapshot(dst), M.snapshot(src))
+
+
+def test_a_model_wrapped_whole_in_ddp_and_the_bare_model_load_each_other(tmp_path, group_of_one):
+    """The table names drop DDP's ``module`` level as the dense names do: the manifest names
+    the tables as the bare model does, and each model resumes from the other's checkpoint."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ref, ref_opt = fresh()
+    ref_out = M.train(ref, ref_opt, range(STEPS))
+    model, _ = fresh()
+    wrapped = DistributedDataParallel(model)
+    opt = torch.optim.Adam(wrapped.module.mlp.parameters(), lr=0.01)
+    M.train(wrapped, opt, range(CUT))
+    checkpoint.save(tmp_path / "ddp", model=wrapped, dense_optimizer=opt, step=CUT)
+    names = sorted(json.loads((tmp_path / "ddp" / "manifest.json").read_text())["tables"])
+    assert names == ["sparse/a", "sparse/b"]
+    bare, bare_opt = fresh()
+    assert checkpoint.load(tmp_path / "ddp", model=bare, dense_optimizer=bare_opt) == CUT
+    out = M.train(bare, bare_opt, range(CUT, STEPS))
+    assert [loss for loss, _ in out] == [loss for loss, _ in ref_out[CUT:]]
+    M.assert_same_tables(M.snapshot(bare), M.snapshot(ref))
+    checkpoint.save(tmp_path / "bare", model=bare, dense_optimizer=bare_opt, step=STEPS)
+    again, _ = fresh()
+    rewrapped = DistributedDataParallel(again)
+    assert checkpoint.load(tmp_path / "bare", model=rewrapped) == STEPS
+    M.assert_same_tables(M.snapshot(again), M.snapshot(ref))
