@@ -178,9 +178,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     from dynemb.cli_plan import run_plan
 
     _setup_logging(args.verbose)
-    if args.profile_steps < 1 or (args.batch_size is not None and args.batch_size < 1):
-        raise ConfigError("--profile-steps and --batch-size: expected ints >= 1, found "
-                          f"{args.profile_steps} and {args.batch_size}.")
+    for flag in ("profile_steps", "batch_size", "world_size", "ranks_per_host"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: expected an int >= 1, found "
+                              f"{value}.")
     return run_plan(args)
 
 

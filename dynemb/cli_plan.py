@@ -39,7 +39,8 @@ from dynemb.config import (
 from dynemb.errors import ConfigError, DynembError, PlanningError
 from dynemb.planner.report import format_cost_model, format_plan
 from dynemb.planner.sources import profiles_from_batches
-from dynemb.train.config_io import MAX_CONFIG_BYTES, from_dict, parse_yaml, read_file
+from dynemb.train.config_io import from_dict, parse_yaml, read_file, read_text
+from dynemb.train.planning import existing_ancestor
 
 logger = logging.getLogger(__name__)
 
@@ -54,24 +55,10 @@ _UNIT = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 1
 
 
 def read_yaml(path: str | os.PathLike, what: str) -> object:
-    """The YAML (or JSON) value in ``path``: at most MAX_CONFIG_BYTES of UTF-8, parsed with the
-    config reader's checks. Errors name ``what`` and the file."""
+    """The YAML (or JSON) value in ``path``, read and parsed with the config reader's checks
+    (size, UTF-8, alias bombs). Errors name ``what`` and the file."""
     where = f"{what} {os.fspath(path)}"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read it ({e.strerror or e}).") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{where}: expected at most {MAX_CONFIG_BYTES:,} bytes, found a "
-                          "larger file; is it the right file?")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{where}, line {line}: expected UTF-8 text; save the file as "
-                          "UTF-8.") from None
-    return parse_yaml(text, where)
+    return parse_yaml(read_text(path, where), where)
 
 
 def parse_bytes(value: object, where: str) -> int:
@@ -167,10 +154,12 @@ def read_tables(path: str | os.PathLike) -> tuple[list[TableConfig],
     """
     where = f"tables file {os.fspath(path)}"
     data = read_yaml(path, "tables file")
-    if isinstance(data, dict) and set(data) == {"tables"}:
+    under = isinstance(data, dict) and set(data) == {"tables"}
+    if under:
         data = data["tables"]
     if not isinstance(data, list):
-        found = "an empty file" if data is None else type(data).__name__
+        found = type(data).__name__ if data is not None else \
+            "nothing under `tables:`" if under else "an empty file"
         raise ConfigError(f"{where}: expected a list of tables (at the top, or under "
                           f"`tables:`), found {found}.")
     tables, profiles = [], {}
@@ -213,14 +202,6 @@ def read_topology(path: str | os.PathLike) -> planner.Topology:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _existing(path: str) -> str:
-    """``path`` or its nearest existing ancestor (for the free space under a ddr_path)."""
-    p = Path(path).absolute()
-    while not p.exists() and p.parent != p:
-        p = p.parent
-    return str(p)
-
-
 def topology(args: argparse.Namespace, tables: list[TableConfig]) -> planner.Topology:
     """``--topology FILE``, else this machine's (``--from-machine``, the default); then the
     ``--world-size``, ``--ranks-per-host`` and ``--device`` overrides."""
@@ -235,7 +216,7 @@ def topology(args: argparse.Namespace, tables: list[TableConfig]) -> planner.Top
         paths = [t.storage.ddr_path for t in tables if t.storage.ddr_path]
         topo = planner.Topology.from_machine(
             world_size=args.world_size, ranks_per_host=args.ranks_per_host, device=args.device,
-            ddr_path=_existing(paths[0]) if paths else None)
+            ddr_path=existing_ancestor(paths[0]) if paths else None)
     changes = {k: v for k, v in (("world_size", args.world_size),
                                  ("ranks_per_host", args.ranks_per_host),
                                  ("device", args.device)) if v is not None}

@@ -384,7 +384,10 @@ class TableConfig:
         owner = f"TableConfig({self.name!r})"
         if isinstance(self.features, str):
             _fail(owner, "features", self.features, "a list of feature names, not one string")
-        object.__setattr__(self, "features", tuple(self.features))
+        try:
+            object.__setattr__(self, "features", tuple(self.features))
+        except TypeError:  # not iterable: None, a number
+            _fail(owner, "features", self.features, "a non-empty list of non-empty strings")
         if not self.features or not all(isinstance(f, str) and f for f in self.features):
             _fail(owner, "features", self.features, "a non-empty list of non-empty strings")
         if len(set(self.features)) != len(self.features):

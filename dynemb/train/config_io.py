@@ -196,21 +196,23 @@ def parse_yaml(text: str, where: str) -> object:
         raise _yaml_error(where, error) from None
 
 
-def _read_text(path: Path) -> str:
-    """The file's text (UTF-8, a leading BOM dropped), at most MAX_CONFIG_BYTES."""
+def read_text(path: str | Path, where: str | None = None) -> str:
+    """The file's text (UTF-8, a leading BOM dropped), at most MAX_CONFIG_BYTES; errors name
+    ``where`` (default ``config file PATH``)."""
+    where = where or f"config file {path}"
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
-        raise ConfigError(f"config file {path}: cannot read it ({error.strerror}).") from None
+        raise ConfigError(f"{where}: cannot read it ({error.strerror or error}).") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path}: expected at most {MAX_CONFIG_BYTES:,} bytes of "
+        raise ConfigError(f"{where}: expected at most {MAX_CONFIG_BYTES:,} bytes of "
                           "settings, found a larger file; is it the right file?")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         line = raw[:error.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path}, line {line}: expected UTF-8 text, found byte "
+        raise ConfigError(f"{where}, line {line}: expected UTF-8 text, found byte "
                           f"{raw[error.start]:#04x} that is not UTF-8; save the file as "
                           "UTF-8.") from None
 
@@ -224,7 +226,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
             not hold a mapping.
     """
     path = Path(path)
-    text = _read_text(path)
+    text = read_text(path)
     where = f"config file {path}"
     if path.suffix == ".json":
         try:

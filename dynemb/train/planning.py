@@ -27,7 +27,8 @@ from pathlib import Path
 from dynemb.config import Storage, StorageMode, TableConfig
 from dynemb.data.base import Batch, DataSource
 from dynemb.errors import ConfigError, PlanningError
-from dynemb.planner import Plan, TableChoice, Topology, plan
+from dynemb.planner import CostModel, Plan, TableChoice, Topology, plan
+from dynemb.planner.report import human_bytes
 from dynemb.planner.sources import profiles_from_batches
 from dynemb.train.config import TrainConfig
 
@@ -65,8 +66,9 @@ def needs_planning(tables: Sequence[TableConfig]) -> bool:
     return any(not t.storage.planned for t in tables)
 
 
-def _existing(path: str) -> str:
-    """``path``, or its nearest existing ancestor (a ddr_path is created when first used)."""
+def existing_ancestor(path: str) -> str:
+    """``path``, or its nearest existing ancestor (a ddr_path is created when first used): where
+    to read the free disk a ddr_path will have."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -80,9 +82,13 @@ def machine_topology(config: TrainConfig, world_size: int) -> Topology:
     (:meth:`dynemb.planner.Topology.from_machine`: on a CPU host hbm is each rank's share of
     the RAM available now and ddr the free disk under ``ddr_path``, or without it the RAM)."""
     emb = config.embeddings
-    ddr_dir = None if emb.ddr_path is None else _existing(emb.ddr_path)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    topo = Topology.from_machine(world_size=world_size, ranks_per_host=min(local, world_size),
+    ddr_dir = None if emb.ddr_path is None else existing_ancestor(emb.ddr_path)
+    local = os.environ.get("LOCAL_WORLD_SIZE", str(world_size))
+    if not local.isdigit() or int(local) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE: expected the ranks per host, an int >= 1 (torchrun "
+                          f"sets it), found {local!r}; unset it or launch with torchrun.")
+    topo = Topology.from_machine(world_size=world_size,
+                                 ranks_per_host=min(int(local), world_size),
                                  device=config.device, ddr_path=ddr_dir,
                                  hbm_reserve_fraction=emb.hbm_reserve_fraction,
                                  ddr_reserve_fraction=emb.ddr_reserve_fraction)
@@ -129,10 +135,38 @@ def plan_on(config: TrainConfig, tables: Sequence[TableConfig], batches: Sequenc
             world_size: int) -> Plan:
     """Plans ``tables`` for this machine, each profiled on ``batches`` (one of ``world_size``
     ranks' first training batches)."""
+    emb = config.embeddings
+    calibration = None
+    if emb.calibration is not None:
+        try:
+            calibration = CostModel.load(emb.calibration)
+        except PlanningError as error:
+            raise PlanningError(f"embeddings.calibration: {error}") from None
     profiles = profiles_from_batches(batches, tables, steps=len(batches) or 1,
                                      world_size=world_size)
-    return plan(tables, machine_topology(config, world_size), profiles=profiles,
-                calibration=config.embeddings.calibration)
+    topo = machine_topology(config, world_size)
+    try:
+        return plan(tables, topo, profiles=profiles, calibration=calibration)
+    except PlanningError as error:
+        raise PlanningError(f"{error} The budgets: {_budgets(config, topo)}.") from None
+
+
+def _budgets(config: TrainConfig, topo: Topology) -> str:
+    """Where the budgets of a plan made at start-up came from (for its errors)."""
+    emb = config.embeddings
+    hbm = "embeddings.hbm_bytes_per_rank" if emb.hbm_bytes_per_rank is not None else \
+        "this GPU's memory" if topo.device == "cuda" else "this rank's share of the RAM available"
+    ddr = "embeddings.ddr_bytes_per_host" if emb.ddr_bytes_per_host is not None else \
+        "this host's RAM" if topo.device == "cuda" else \
+        f"the free disk under ddr_path {emb.ddr_path}" if emb.ddr_path else \
+        "the RAM available"
+    return (f"hbm {human_bytes(topo.hbm_bytes_per_rank)} per rank ({hbm}) less "
+            f"embeddings.hbm_reserve_fraction {topo.hbm_reserve_fraction}, ddr "
+            f"{human_bytes(topo.ddr_bytes_per_host)} per host ({ddr}) less "
+            f"embeddings.ddr_reserve_fraction {topo.ddr_reserve_fraction}, for "
+            f"{topo.world_size} rank(s), {topo.ranks_per_host} per host; set "
+            "embeddings.hbm_bytes_per_rank or embeddings.ddr_bytes_per_host to plan for other "
+            "budgets")
 
 
 def _allowed(choice: TableChoice, storage: Storage) -> bool:
@@ -182,9 +216,13 @@ def apply_plan(result: Plan, tables: Sequence[TableConfig], what: str) -> list[T
     return placed
 
 
-def load_plan(path: str | Path, tables: Sequence[TableConfig], what: str) -> Plan:
-    """The plan saved at ``path``, checked against ``tables`` (:func:`check_plan`)."""
-    result = Plan.load(path)
+def load_plan(path: str | Path, tables: Sequence[TableConfig], what: str, fix: str) -> Plan:
+    """The plan saved at ``path``, checked against ``tables`` (:func:`check_plan`); an error
+    reading it names ``what`` and says ``fix``."""
+    try:
+        result = Plan.load(path)
+    except PlanningError as error:
+        raise PlanningError(f"{what}: {error} {fix}") from None
     check_plan(result, tables, what)
     return result
 
@@ -196,23 +234,24 @@ def _choices(result: Plan) -> dict[str, tuple[str, float]]:
 def store(result: Plan | None, out: Path) -> None:
     """Writes ``out/plan.json`` (atomically), or removes a stale one when there is no plan."""
     path = out / PLAN_FILE
-    tmp = path.with_name(PLAN_FILE + ".tmp")
     try:
         if result is None:
             path.unlink(missing_ok=True)
-            return
-        result.save(tmp)
-        tmp.replace(path)
+        else:
+            result.save(path)  # atomic: a run killed meanwhile leaves the old file or the new
     except OSError as error:
         raise ConfigError(f"{path}: cannot write the run's plan ({error.strerror}); expected a "
                           "writable run directory with free space.") from None
 
 
 def _note_world_size(result: Plan, world_size: int, path: str) -> None:
-    if result.topology.world_size != world_size:
-        logger.info("%s was made for %d rank(s), this run has %d: the tables are placed as it "
-                    "says, its predicted bytes and times are for its own world size", path,
-                    result.topology.world_size, world_size)
+    made = result.topology.world_size
+    if made != world_size:
+        logger.warning("%s was made for %d rank(s), this run has %d: the tables are placed as "
+                       "it says, but each rank's shards hold about %.2f times the rows it "
+                       "planned for, so its bytes and times are not this run's (make a plan "
+                       "for %d ranks with dynemb plan --world-size %d if they must fit)", path,
+                       made, world_size, made / world_size, world_size, world_size)
 
 
 def settle(config: TrainConfig, tables: Sequence[TableConfig], source: DataSource, *,
@@ -234,10 +273,13 @@ def settle(config: TrainConfig, tables: Sequence[TableConfig], source: DataSourc
     """
     t0 = time.perf_counter()
     emb = config.embeddings
-    given = None if emb.plan is None else load_plan(emb.plan, tables, f"--plan {emb.plan}")
+    given = None if emb.plan is None else load_plan(
+        emb.plan, tables, f"--plan {emb.plan}", "Make it again with dynemb plan --out.")
     stored = out / PLAN_FILE
     if resume and stored.is_file():
-        result = load_plan(stored, tables, f"the plan of the run in {out} ({stored})")
+        result = load_plan(stored, tables, f"the plan of the run in {out} ({stored})",
+                           f"Delete {stored} to plan the tables again (the checkpoint's rows "
+                           "load into any placement), or start afresh with --overwrite.")
         if given is not None and _choices(given) != _choices(result):
             raise ConfigError(f"--plan {emb.plan}: the run in {out} was built from the plan in "
                               f"{stored}, which places its tables otherwise; expected a resumed "
