@@ -138,8 +138,10 @@ class Plan:
                     tables[name] = TableChoice(**t)
                 except PlanningError as e:
                     raise PlanningError(f"plan {str(path)!r}: table {name!r}: {e}") from None
+            if not isinstance(data["optimal"], bool):
+                raise ValueError(f"optimal: expected true or false, found {data['optimal']!r}")
             return cls(tables=tables, topology=Topology.from_dict(data["topology"]),
-                       cost_source=str(data["cost_source"]), optimal=bool(data["optimal"]))
+                       cost_source=str(data["cost_source"]), optimal=data["optimal"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanningError(f"plan {str(path)!r}: malformed ({e}).") from None
 
@@ -178,11 +180,12 @@ def table_options(config: TableConfig, profile: AccessProfile, topology: Topolog
     mmap = config.storage.ddr_path is not None
     pinned = config.storage.planned
     ids = math.ceil(profile.lookups_per_step / w)
-    out = []
+    out, why = [], ""
     for mode, x in candidates(config.storage, factors):
         try:
             layout = storage_layout(rows, config.bucket_capacity, mode, x)
-        except ConfigError:  # e.g. HYBRID needs two buckets
+        except ConfigError as e:  # e.g. HYBRID needs two buckets
+            why = str(e)
             continue
         mem = table_memory(config, mode=mode, cache_load_factor=x, world_size=w,
                            ids_per_step=ids)
@@ -195,7 +198,7 @@ def table_options(config: TableConfig, profile: AccessProfile, topology: Topolog
         out.append((Option(hbm_bytes=mem.hbm_bytes, ddr_bytes=mem.ddr_bytes, cost=ms), choice))
     if not out:
         raise PlanningError(f"table {config.name!r}: no storage option can be built for a shard "
-                            f"of {rows} rows.")
+                            f"of {rows} rows over {w} rank(s): {why}")
     return out
 
 

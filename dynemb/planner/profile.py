@@ -164,7 +164,9 @@ class Placement:
         frac = thr / _TIER_SPACE
         hot_l = float(self.lookups[i - 1]) if i else 0.0
         hot_d = float(self.distinct[i - 1]) if i else 0.0
-        return hot_l + self.rest_lookups * frac, hot_d + self.rest_distinct * frac
+        # shares summed in floats may pass 1 by a rounding
+        return (min(1.0, hot_l + self.rest_lookups * frac),
+                min(1.0, hot_d + self.rest_distinct * frac))
 
 
 @functools.lru_cache(maxsize=256)
@@ -180,8 +182,9 @@ def _zipf_terms(alpha: float, num_ids: int, exact: int = EXACT_RANKS,
         lo, hi = edges[:-1], edges[1:]  # ranks [lo, hi)
         if alpha == 1.0:
             mass = np.log(hi - 0.5) - np.log(lo - 0.5)
-        else:
-            mass = ((hi - 0.5) ** (1 - alpha) - (lo - 0.5) ** (1 - alpha)) / (1 - alpha)
+        else:  # the integral of r^-alpha over [lo, hi) - 1/2, without cancelling near alpha 1
+            s, span = 1.0 - alpha, np.log((hi - 0.5) / (lo - 0.5))
+            mass = (lo - 0.5) ** s * np.expm1(s * span) / s
         counts.append(hi - lo)
         weights.append(mass / (hi - lo))
     w, c = np.concatenate(weights), np.concatenate(counts)
@@ -254,7 +257,7 @@ def _che_hit_rate(alpha: float, num_ids: int, rows: float) -> float:
             lo = mid
         else:
             hi = mid
-    return float((c * p * -np.expm1(-p * math.exp(hi))).sum())
+    return min(1.0, float((c * p * -np.expm1(-p * math.exp(hi))).sum()))  # <= 1 despite rounding
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,7 +130,6 @@ class _Search:
     def _dfs(self, free, levels, same, suffix, pick, base, ddr_price, tol) -> bool:
         n = len(free)
         kids: list[list] = [[] for _ in range(n + 1)]  # per level: children left, best last
-        acc = [base] + [(0.0, 0, 0)] * n
         chosen = [-1] * n
         level = 0
         kids[0] = self._children(0, levels, same, suffix, chosen, base)
@@ -152,7 +151,6 @@ class _Search:
                 return False
             chosen[level] = rank
             pick[free[level]] = j
-            acc[level + 1] = state
             level += 1
             if level < n:
                 kids[level] = self._children(level, levels, same, suffix, chosen, state)

@@ -6,7 +6,10 @@ does not bin bytes:
 1. **Exact arithmetic.** Bytes are ints; costs are rounded to ``COST_QUANTUM`` (1e-9 of the
    cost unit) and summed as ints, so two plans compare exactly and ties are broken the same way
    every time: lower cost, then lower hbm, then lower ddr, then the lexicographically smallest
-   list of option indices (earlier tables take their lower-numbered options first).
+   list of option indices (earlier tables take their lower-numbered options first). The
+   tables' largest options may need at most 2^62 bytes of a tier, and 2^62 quanta of cost,
+   together (``SUM_LIMIT``: every sum then fits an int64; more is a ``PlanningError``); a
+   budget beyond what they need binds nothing and is capped there.
 2. **Reduction.** Options that do not fit a budget alone are dropped, and so are options another
    option of the same table dominates (no more cost, hbm and ddr; on a full tie, the higher
    index), which can never be in the unique best plan.
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynemb.errors import PlanningError
-from dynemb.planner.search import _Best, _key, _offer, _Program, _Search
+from dynemb.planner.search import _Best, _offer, _Program, _Search
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +176,25 @@ def _total_error(cands: list[list[tuple[int, int, int, int]]], hbm: int,
     return None
 
 
+SUM_LIMIT = 1 << 62
+"""The most the largest options of all tables may need together, in bytes of a tier or in cost
+quanta (every sum the solver forms then fits an int64)."""
+
+
+def _exact_budgets(cands: list[list[tuple[int, int, int, int]]], hbm: int,
+                   ddr: int) -> tuple[int, int]:
+    """The budgets capped at what the tables' largest options need together (a budget beyond
+    that binds nothing); checks that every sum the solver forms fits an int64."""
+    most = [sum(max(c[col] for c in cs) for cs in cands) for col in (1, 2, 3)]
+    for what, total in zip(("cost quanta", "bytes of hbm", "bytes of ddr"), most):
+        if total > SUM_LIMIT:
+            raise PlanningError(
+                f"solve: the tables' largest options need {total:,} {what} together; expected "
+                f"at most {SUM_LIMIT:,} (2^62) to sum them exactly. Express "
+                f"{'costs' if what.startswith('cost') else 'bytes'} in a larger unit.")
+    return min(hbm, most[1]), min(ddr, most[2])
+
+
 class _Lagrangian:
     """Arrays of every candidate (tables x max options, padded with +inf) and the bound."""
 
@@ -187,6 +209,7 @@ class _Lagrangian:
                 self.cost[t, j], self.hb[t, j], self.db[t, j] = cq, h, d
         self.h, self.d = self.hb.astype(np.float64), self.db.astype(np.float64)
         # bytes in budget units keep the multipliers in the range of the costs
+        self.hbm, self.ddr = hbm, ddr
         self.sh, self.sd = max(hbm, 1), max(ddr, 1)
         self.h /= self.sh
         self.d /= self.sd
@@ -197,12 +220,14 @@ class _Lagrangian:
         red = self.cost + lh * self.h + ld * self.d
         arg = np.argmin(red, axis=1)
         m = red[self.rows, arg]
-        sh = float(self.h[self.rows, arg].sum()) - 1.0
-        sd = float(self.d[self.rows, arg].sum()) - 1.0
+        # the slopes' signs exactly (in floats, shares that sum to the budget may exceed 1)
+        sh = (int(self.hb[self.rows, arg].sum()) - self.hbm) / self.sh
+        sd = (int(self.db[self.rows, arg].sum()) - self.ddr) / self.sd
         return float(m.sum()) - lh - ld, sh, sd, arg
 
     def _best_ld(self, lh: float, feasible: list) -> tuple[float, tuple]:
-        """The ddr multiplier maximising the bound for ``lh`` (bisection on its slope)."""
+        """The ddr multiplier maximising the bound for ``lh`` (bisection on its slope), and
+        the evaluation there."""
         ev = self.evaluate(lh, 0.0)
         feasible.append(ev)
         if ev[2] <= 0:
@@ -214,18 +239,18 @@ class _Lagrangian:
             if ev[2] <= 0 or hi > 1e30:
                 break
             lo, hi = hi, hi * 4
-        best = ev
+        best = (hi, ev)
         for _ in range(50):
             mid = 0.5 * (lo + hi)
             e = self.evaluate(lh, mid)
             feasible.append(e)
-            if e[0] > best[0]:
-                best = e
+            if e[0] > best[1][0]:
+                best = (mid, e)
             if e[2] > 0:
                 lo = mid
             else:
                 hi = mid
-        return hi, best
+        return best
 
     def maximise(self) -> tuple[float, float, float, list]:
         """(bound, lh, ld, every evaluation made): the best multipliers found."""
@@ -332,6 +357,8 @@ def solve(options: Sequence[Sequence[Option]], *, hbm_budget: int, ddr_budget: i
     error = _total_error(cands, hbm, ddr)
     if error is not None:
         raise error
+    budgets = hbm, ddr
+    hbm, ddr = _exact_budgets(cands, hbm, ddr)
     lag = _Lagrangian(cands, hbm, ddr)
     lb, lh, ld, seen = lag.maximise()
     best = _Best()
@@ -344,8 +371,10 @@ def solve(options: Sequence[Sequence[Option]], *, hbm_budget: int, ddr_budget: i
     if best.key is None:  # no incumbent: search with an infinite bound
         best.key = (math.inf, 0, 0, ())
     red = lag.cost + lh * lag.h + ld * lag.d
+    # float error of the bounds, in quanta: relative to the largest terms they sum
+    size = np.where(np.isfinite(red), red, 0.0).max(axis=1).sum() + lh + ld
+    tol = 1e-9 * (size + abs(lb) + abs(best.key[0])) + 1.0
     red = red - red.min(axis=1, keepdims=True)
-    tol = 1e-9 * (abs(lb) + abs(best.key[0])) + 1.0  # float error of the bounds, in quanta
     keep = [[j for j in range(len(cs)) if lb + red[t, j] <= best.key[0] + tol]
             for t, cs in enumerate(cands)]  # options the bound allows
     search = _Search(cands, hbm, ddr, best, node_limit)
@@ -354,12 +383,13 @@ def solve(options: Sequence[Sequence[Option]], *, hbm_budget: int, ddr_budget: i
         program = _Program(cands, hbm, ddr, best)  # ddr cannot bind
         complete = program.run(keep, tol, lag.sh, lag.sd)
         search.nodes = program.states
+        search.node_limit += program.states  # the limit is on the search's own nodes
     if not complete:
         complete = search.run(keep, red, tol, lag.sh, lag.sd, ld)
     if best.choice is None:
         if not complete:
             raise PlanningError(f"solve: no plan found within {node_limit} search nodes.")
-        raise _joint_error(options, hbm, ddr, names)
+        raise _joint_error(options, *budgets, names)
     choices = tuple(cands[t][j][0] for t, j in enumerate(best.choice))
     gap = 0.0 if complete else max(0.0, (best.key[0] - lb) * COST_QUANTUM)
     if not complete:
