@@ -155,17 +155,21 @@ def shard_capacity(capacity: int, world_size: int) -> int:
     return -(-capacity // world_size)
 
 
-def working_set_bytes(config: TableConfig, ids_per_step: int, world_size: int = 1) -> int:
+def working_set_bytes(config: TableConfig, ids_per_step: int, world_size: int = 1,
+                      mode: StorageMode | None = None) -> int:
     """An estimate of the bytes one training step of a table's shard allocates on top of its
     tables: ``ids_per_step`` (the ids this rank's shard looks up per step) times, per id, its
     lookup arrays (key, slot, inverse, journal: 32 B), its weight (4 B), and three rows of ``dim``
-    float32 (its gradient row, a ddr row gathered for pooling, its pooled partial); sharded, also
-    the ids and partials of the all-to-alls (8 B + one row each way)."""
+    float32 (its gradient row, its row gathered for pooling, its pooled partial); with a ddr tier
+    (``mode`` HYBRID or CACHING; default: the config's) one row more, the copy of a ddr row on
+    its way between the tiers (gathered, copied in, written back); sharded, also the ids and
+    partials of the all-to-alls (8 B + one row each way)."""
     if not isinstance(ids_per_step, int) or isinstance(ids_per_step, bool) or ids_per_step < 0:
         raise ConfigError(f"working_set_bytes: expected ids_per_step an int >= 0, found "
                           f"{ids_per_step!r}.")
+    mode = config.storage.effective_mode if mode is None else mode
     row = config.dim * VALUE_BYTES
-    per_id = 32 + 4 + 3 * row
+    per_id = 32 + 4 + (4 if mode in (StorageMode.HYBRID, StorageMode.CACHING) else 3) * row
     if world_size > 1:
         per_id += 2 * (8 + row)
     return ids_per_step * per_id
@@ -207,5 +211,6 @@ def table_memory(config: TableConfig, *, rows: int | None = None, mode: StorageM
     return MemoryUsage(
         hbm=TierMemory(**_rows_bytes(lay.hbm_rows, dim, state), index_bytes=hbm_index,
                        admission_bytes=admission,
-                       working_bytes=working_set_bytes(config, ids_per_step, world_size)),
+                       working_bytes=working_set_bytes(config, ids_per_step, world_size,
+                                                       lay.mode)),
         ddr=TierMemory(**_rows_bytes(lay.ddr_rows, dim, state), index_bytes=ddr_index))

@@ -29,8 +29,8 @@ def test_every_option_is_charged_what_its_shard_allocates(kind, opt, world_size)
     profile = planner.AccessProfile(lookups_per_step=512, zipf_alpha=1.05)
     options = planner.table_options(config, profile, topo, planner.default_cost_model("cpu"))
     assert len(options) >= 10  # HBM_ONLY and HYBRID / CACHING at most x
-    work = working_set_bytes(config, 512 // world_size, world_size)
     for option, choice in options:
+        work = working_set_bytes(config, 512 // world_size, world_size, choice.mode)
         storage = choice.storage()
         built = dynemb.DynamicTable(shard_config(dataclasses.replace(config, storage=storage),
                                                  world_size, rank=world_size - 1))

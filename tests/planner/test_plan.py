@@ -72,7 +72,7 @@ def test_a_ddr_starved_host_gets_hybrid():
     """CACHING keeps every row in ddr; with ddr for about half of the rows only HYBRID fits."""
     t = table("t")
     ddr = full_bytes(t) // 2
-    hbm = int(0.6 * full_bytes(t)) + working_set_bytes(t, LOOKUPS)
+    hbm = int(0.6 * full_bytes(t)) + working_set_bytes(t, LOOKUPS, mode=StorageMode.HYBRID)
     result = planner.plan([t], topo(hbm, ddr), calibration=COST,
                           profiles={"t": profile(1.2)})
     assert result.tables["t"].mode == StorageMode.HYBRID

@@ -56,12 +56,6 @@ print(json.dumps([peak(*case) for case in json.loads(sys.argv[1])]))
 """
 IDS, DIM = 32768, 128
 CASES = [(StorageMode.HBM_ONLY, 1.0), (StorageMode.HYBRID, 0.5), (StorageMode.CACHING, 0.1)]
-UNDER = pytest.mark.xfail(strict=True, reason=(
-    "working_set_bytes charges no row for a ddr row on its way between the tiers: a step "
-    "of HYBRID / CACHING allocates about one row per id more (fix waits for the docs example "
-    "output to be regenerated; see the review report)"))
-PARAMS = [pytest.param(*case, marks=UNDER if case[0] != StorageMode.HBM_ONLY else ())
-          for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def peaks() -> dict:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
-@pytest.mark.parametrize("mode,x", PARAMS)
+@pytest.mark.parametrize("mode,x", CASES)
 def test_a_step_allocates_no_more_than_the_working_set_charged(peaks, mode, x):
     """One id per bag (a sequence feature: as many pooled rows as ids), all distinct: HYBRID
     moves half the rows across the tiers, CACHING at 0.1 misses most of them (copy in, write
