@@ -57,6 +57,9 @@ class TableChoice:
                 raise PlanningError(f"TableChoice.{name}: expected a number in [{low}, {high}]"
                                     f"{' (an int)' if name.endswith('bytes') else ''}, found "
                                     f"{v!r}.")
+        if self.mode == StorageMode.HBM_ONLY and self.cache_load_factor != 1.0:
+            raise PlanningError(f"TableChoice: mode hbm_only has cache_load_factor 1.0, found "
+                                f"{self.cache_load_factor!r}.")
         if not isinstance(self.pinned, bool):
             raise PlanningError(f"TableChoice.pinned: expected true or false, found "
                                 f"{self.pinned!r}.")

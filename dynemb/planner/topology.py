@@ -112,8 +112,8 @@ class Topology:
         files), or without ``ddr_path`` the same RAM again (the tiers then share it: plan with
         a ``ddr_path`` to use the disk).
         """
-        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        local = ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        world = world_size or _env_int("WORLD_SIZE", 1)
+        local = ranks_per_host or _env_int("LOCAL_WORLD_SIZE", world)
         local = min(local, world)
         if device is None:
             import torch
@@ -148,3 +148,18 @@ def _available_ram() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return _total_ram()
+
+
+def _env_int(name: str, default: int) -> int:
+    """The int >= 1 in environment variable ``name`` (torchrun's), or ``default`` if unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise PlanningError(f"Topology.from_machine: environment variable {name} must be an int "
+                            f">= 1 (torchrun sets it), found {raw!r}.")
+    return value

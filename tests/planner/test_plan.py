@@ -165,3 +165,20 @@ def test_a_plan_or_calibration_saved_over_an_old_one_is_never_torn(tmp_path, mon
 def test_an_unplanned_table_cannot_be_built():
     with pytest.raises(ConfigError, match="left to the planner"):
         dynemb.DynamicTable(table("t"))
+
+
+def test_hbm_only_with_another_x_and_bad_torchrun_variables_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(PlanningError, match="hbm_only has cache_load_factor 1.0"):
+        planner.TableChoice(mode=StorageMode.HBM_ONLY, cache_load_factor=0.5,
+                            predicted_hit_rate=1.0, predicted_ms=1.0, hbm_bytes=1, ddr_bytes=0)
+    path = tmp_path / "plan.json"
+    planner.plan([table("a")], topo(1 << 30, 1 << 30), calibration=COST).save(path)
+    text = path.read_text()
+    path.write_text(text.replace('"cache_load_factor": 1.0', '"cache_load_factor": 0.5'))
+    with pytest.raises(PlanningError, match="table 'a'.*hbm_only has cache_load_factor"):
+        planner.Plan.load(path)
+    for name, value in (("WORLD_SIZE", "two"), ("LOCAL_WORLD_SIZE", "0")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(PlanningError, match=f"{name} must be an int >= 1"):
+            planner.Topology.from_machine()
+        monkeypatch.delenv(name)
