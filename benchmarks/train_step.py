@@ -8,7 +8,7 @@ baselines measured in the same run on the same ids:
     row-wise Adagrad; element-wise Adagrad is the nearest rule), Adam -> torch.optim.SparseAdam;
   * fbgemm's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``, the kernel torchrec's
     batched_embedding_kernel wraps; EmbeddingLocation.HOST, ComputeDevice.CPU) with EXACT_SGD,
-    EXACT_ROWWISE_ADAGRAD, ADAM, when importable (``make bench-deps``); whatever it refuses is
+    EXACT_ROWWISE_ADAGRAD, ADAM, when importable (``make install`` installs it); whatever it refuses is
     reported as skipped with its message.
 Both baselines are fixed tables of ``capacity`` rows fed ``id mod capacity``.
 
@@ -194,7 +194,7 @@ def fbgemm_available() -> str | None:
             SplitTableBatchedEmbeddingBagsCodegen,
         )
     except Exception as e:  # ImportError, or a library that fails to load with this torch
-        return f"fbgemm_gpu not importable ({type(e).__name__}: {e}); run `make bench-deps`"
+        return f"fbgemm_gpu not importable ({type(e).__name__}: {e}); run `make install`"
     return None
 
 

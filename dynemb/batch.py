@@ -8,6 +8,7 @@ sample after sample; ``lengths`` (F·B,) the bag length of each (feature, sample
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -186,6 +187,20 @@ class SparseBatch:
         return SparseBatch(features=self.features, values=self.values.to(device),
                            lengths=self.lengths.to(device),
                            weights=None if self.weights is None else self.weights.to(device))
+
+    @classmethod
+    def from_kjt(cls, kjt: Any) -> SparseBatch:
+        """The batch of a torchrec ``KeyedJaggedTensor`` (lengths or offsets, int32 or int64;
+        ids become int64, weights float32). Needs torchrec only to have made ``kjt``."""
+        from dynemb.interop import batch_from_kjt  # noqa: PLC0415  (torchrec is optional)
+
+        return batch_from_kjt(kjt)
+
+    def to_kjt(self) -> Any:
+        """This batch as a torchrec ``KeyedJaggedTensor`` (needs torchrec)."""
+        from dynemb.interop import batch_to_kjt  # noqa: PLC0415  (torchrec is optional)
+
+        return batch_to_kjt(self)
 
     def select(self, features: Sequence[str]) -> SparseBatch:
         """The batch of ``features`` only, in that order (this batch itself if they are its

@@ -76,3 +76,15 @@ def test_readme_planner_block_runs():
     assert all(t.storage.planned for t in planned)
     assert plan.hbm_bytes_per_rank <= scope["topo"].hbm_budget
     assert plan.tables["item"].mode != dynemb.StorageMode.HBM_ONLY  # 1.6 TiB cannot stay in hbm
+
+
+def test_readme_torchrec_block_runs():
+    """The README's torchrec block runs as written: torchrec's DLRM over dynemb tables."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Coming from torchrec"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
+    assert scope["pooled"].values().shape == (2, 16)
+    assert scope["logits"].shape == (2, 1)
+    assert scope["batch"].features == ("user", "item")

@@ -20,6 +20,7 @@ from dynemb.distributed.routing import shard_config
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats
 from dynemb.distributed.owner import OwnerTable, Scratch
 from dynemb.errors import ConfigError, DynembError, InputError
+from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.optim.rules import clip_scale
 from dynemb.nn.modules import TablesStayPut, describe_table
 from dynemb.table.table import DynamicTable
@@ -270,9 +271,20 @@ class ShardedCollection(TablesStayPut):
                           f"world_size={self.world_size}, rank={self.rank}, "
                           f"device={self.device}, feature_policy={self.feature_policy!r}"])
 
+    def embedding_bag_configs(self) -> list:
+        """torchrec ``EmbeddingBagConfig`` objects of the (whole) tables; needs torchrec."""
+        return bag_configs(self.configs)
+
+    def embedding_configs(self) -> list:
+        """torchrec ``EmbeddingConfig`` objects of the (whole) tables; needs torchrec."""
+        return sequence_configs(self.configs)
+
     def _check_batch(self, batch: SparseBatch) -> SparseBatch:
-        """The batch the tables read (see ``feature_policy``), or InputError."""
+        """The batch the tables read (a torchrec KeyedJaggedTensor converted; see
+        ``feature_policy``), or InputError."""
         name = type(self).__name__
+        if is_kjt(batch):
+            batch = SparseBatch.from_kjt(batch)
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{name}: expected a SparseBatch, found {type(batch).__name__}.")
         return batch.require_features(self.feature_names, f"{name} (rank {self.rank})",

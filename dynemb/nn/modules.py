@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dynemb.batch import SparseBatch, check_feature_policy, check_lengths
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
+from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.kernels.backend import backend_for
 from dynemb.table.memory import storage_layout
 from dynemb.table.table import DynamicTable, Lookup, canonical_device
@@ -143,6 +144,16 @@ class KeyedEmbeddings:
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {k: self[k] for k in self._keys}
 
+    def to_keyed_tensor(self):  # noqa: ANN201  (torchrec's KeyedTensor; torchrec is optional)
+        """torchrec's ``KeyedTensor`` of these embeddings (the same values, ``key_dim=1``)."""
+        from dynemb.interop import keyed_tensor  # noqa: PLC0415
+
+        return keyed_tensor(self)
+
+    def length_per_key(self) -> list[int]:
+        """The dim of each key (torchrec's ``KeyedTensor.length_per_key``)."""
+        return list(self._dims)
+
     def __repr__(self) -> str:
         return f"KeyedEmbeddings(keys={list(self._keys)}, values={tuple(self._values.shape)})"
 
@@ -162,6 +173,12 @@ class JaggedEmbeddings:
     def split(self) -> list[torch.Tensor]:
         """One (length, dim) tensor per sample."""
         return list(torch.split(self.values, self.lengths.tolist()))
+
+    def to_jagged_tensor(self):  # noqa: ANN201  (torchrec's JaggedTensor; torchrec is optional)
+        """torchrec's ``JaggedTensor`` of these embeddings (see ``dynemb.interop``)."""
+        from dynemb.interop import jagged_tensors  # noqa: PLC0415
+
+        return jagged_tensors({"": self})[""]
 
 
 def describe_table(config: TableConfig) -> str:
@@ -225,6 +242,15 @@ class _Collection(TablesStayPut):
         self._tables: dict[str, DynamicTable] | None = None
         self._anchor = torch.zeros(0, requires_grad=True)
 
+    def embedding_bag_configs(self) -> list:
+        """torchrec ``EmbeddingBagConfig`` objects of the tables (what torchrec models such as
+        its DLRM read from their sparse arch; needs torchrec)."""
+        return bag_configs(self.configs)
+
+    def embedding_configs(self) -> list:
+        """torchrec ``EmbeddingConfig`` objects of the tables (needs torchrec)."""
+        return sequence_configs(self.configs)
+
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),
                           f"device={self.device}, backend={self.backend_name}, "
@@ -262,7 +288,10 @@ class _Collection(TablesStayPut):
             t.close(delete_files=delete_files)
 
     def _check_batch(self, batch: SparseBatch) -> SparseBatch:
-        """The batch the tables read (see ``feature_policy``), or InputError."""
+        """The batch the tables read (a torchrec KeyedJaggedTensor converted; see
+        ``feature_policy``), or InputError."""
+        if is_kjt(batch):
+            batch = SparseBatch.from_kjt(batch)
         if not isinstance(batch, SparseBatch):
             raise InputError(f"{type(self).__name__}: expected a SparseBatch, found {type(batch).__name__}.")
         return batch.require_features(self.feature_names, type(self).__name__,
