@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dynemb.config import StorageMode, TableConfig
 from dynemb.errors import ConfigError
 from dynemb.optim.rules import state_width
+from dynemb.units import human_bytes
 
 VALUE_BYTES = 4  # float32
 INDEX_BYTES_PER_SLOT = 8 + 8 + 1 + 4 + 8  # key, score, digest, pin (lookup scratch), write step
@@ -44,6 +45,13 @@ class TierMemory:
     def total_bytes(self) -> int:
         return (self.values_bytes + self.optimizer_state_bytes + self.index_bytes
                 + self.admission_bytes + self.working_bytes)
+
+    def __str__(self) -> str:
+        parts = [("rows", self.values_bytes), ("optimizer state", self.optimizer_state_bytes),
+                 ("index", self.index_bytes), ("admission", self.admission_bytes),
+                 ("working set", self.working_bytes)]
+        shown = ", ".join(f"{what} {human_bytes(n)}" for what, n in parts if n)
+        return f"{human_bytes(self.total_bytes)}" + (f" ({shown})" if shown else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +92,9 @@ class MemoryUsage:
     @property
     def total_bytes(self) -> int:
         return self.hbm_bytes + self.ddr_bytes
+
+    def __str__(self) -> str:
+        return f"hbm {self.hbm}; ddr {self.ddr}"
 
 
 @dataclass(frozen=True)

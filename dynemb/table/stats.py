@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,17 @@ class TableStats:
     @property
     def load_factor(self) -> float:
         return self.size / self.capacity if self.capacity else 0.0
+
+    def __str__(self) -> str:
+        """A readable summary: occupancy, rates and every non-zero counter."""
+        head = (f"{self.size:,} of {self.capacity:,} rows (load factor {self.load_factor:.3f}); "
+                f"step {self.step:,}, optimizer step {self.optimizer_step:,}; "
+                f"{self.lookups:,} lookups: hit rate {self.hit_rate:.4f} (key had a row), hbm "
+                f"hit rate {self.hbm_hit_rate:.4f} (served from hbm)")
+        skip = {"size", "capacity", "step", "optimizer_step", "lookups", "hits", "hbm_hits"}
+        rest = [f"{f.name} {getattr(self, f.name):,}" for f in dataclasses.fields(self)
+                if f.name not in skip and getattr(self, f.name)]
+        return head + ("; " + ", ".join(rest) if rest else "")
 
     @property
     def hit_rate(self) -> float:

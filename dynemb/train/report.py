@@ -154,7 +154,8 @@ def format_summary(metrics: dict) -> str:
                  f"{metrics['memory']['peak_rss_mib']:,.0f} MiB")
     for name, t in metrics["tables"].items():
         line = (f"  table {name:<12} {t['rows']:>9,} rows of {t['capacity']:>9,}  "
-                f"hit rate {_fmt(t['hit_rate'], 3)}  {t['evicted']:,} evicted")
+                f"hit rate {_fmt(t['hit_rate'], 3)} (ids that had a row)  "
+                f"{t['evicted']:,} evicted")
         lost = [(t.get(k, 0), what) for k, what in (
             ("failed_inserts", "failed inserts"), ("nonfinite_grads", "non-finite gradient rows"),
             ("forgotten_sightings", "forgotten admission sightings")) if t.get(k, 0)]
