@@ -88,3 +88,25 @@ def test_readme_torchrec_block_runs():
     assert scope["pooled"].values().shape == (2, 16)
     assert scope["logits"].shape == (2, 1)
     assert scope["batch"].features == ("user", "item")
+
+
+def _torchrec_dlrm(*launch: str) -> str:
+    cmd = [sys.executable, *launch, str(ROOT / "examples" / "torchrec_dlrm.py"), "--steps", "120"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+def test_torchrec_dlrm_example_learns_in_one_process_and_under_torchrun():
+    """examples/torchrec_dlrm.py: torchrec's DLRM over dynemb tables on MovieLens 100K."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for out, ranks in ((_torchrec_dlrm(), 1),
+                       (_torchrec_dlrm("-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                       "--master-addr", "127.0.0.1", "--master-port", str(port)),
+                        2)):
+        first, last, auc = map(float, re.search(r"loss (\S+) -> (\S+); eval AUC (\S+)",
+                                                out).groups())
+        assert last < first and auc > 0.72, out
+        assert f"({ranks} rank(s))" in out and "(20,000 samples)" in out, out
