@@ -49,6 +49,10 @@ def batch_from_kjt(kjt: Any) -> SparseBatch:
     if not is_kjt(kjt):
         raise InputError(f"SparseBatch.from_kjt: expected a torchrec KeyedJaggedTensor, found "
                          f"{type(kjt).__name__}.")
+    if kjt.variable_stride_per_key():
+        raise InputError("SparseBatch.from_kjt: the KeyedJaggedTensor has a batch size per "
+                         "feature (variable stride); dynemb batches have one batch size for "
+                         "every feature.")
     values = kjt.values()
     if values.dtype.is_floating_point or values.dtype == torch.bool:
         raise InputError(f"SparseBatch.from_kjt: expected integer ids, found {values.dtype}.")

@@ -154,6 +154,18 @@ def test_torchrecs_dlrm_trains_with_dynemb_tables_as_its_sparse_arch(group_of_on
         assert sum(t.size() for t in ebc.tables.values()) > 0
 
 
+def test_kjts_dynemb_cannot_take_are_refused_clearly():
+    vbe = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1]),
+                            stride_per_key_per_rank=[[1], [2]])
+    with pytest.raises(dynemb.errors.InputError, match="batch size per feature"):
+        SparseBatch.from_kjt(vbe)
+    floats = KeyedJaggedTensor(keys=["f1"], values=torch.tensor([1.5]), lengths=torch.tensor([1]))
+    with pytest.raises(dynemb.errors.InputError, match="integer ids"):
+        SparseBatch.from_kjt(floats)
+    with pytest.raises(dynemb.errors.InputError, match="KeyedJaggedTensor"):
+        SparseBatch.from_kjt({"f1": [1]})
+
+
 def test_without_torchrec_the_error_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchrec", None)
     batch = SparseBatch.from_dict({"f": [[1]]})
