@@ -33,7 +33,7 @@ from dynemb.checkpoint.inspect import describe, verify_all
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.errors import CheckpointError, ConfigError, DynembError
 from dynemb.train import TrainConfig, format_summary, from_dict, train
-from dynemb.train.config_io import apply_overrides, read_file
+from dynemb.train.config_io import apply_overrides, describe_yaml, read_file
 
 
 def _set(data: dict, dotted: str, value: object, flag: str) -> None:
@@ -82,7 +82,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="build the tables from this saved plan (dynemb plan --out FILE) "
                         "instead of planning them at start-up (embeddings.plan)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. --set data.split=time (repeatable)")
+                   help="override any config field, e.g. --set data.split=time (repeatable); "
+                        "the sections are data, model, embeddings and dense_optimizer, the "
+                        "rest are top-level fields (--print-config lists them all)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every field, with its meaning) as YAML "
+                        "that --config reads back, and exit without training")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(handler=_run_train)
 
@@ -102,7 +107,11 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _run_train(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
-    metrics = train(train_config(args), resume=args.resume, overwrite=args.overwrite)
+    config = train_config(args)
+    if args.print_config:
+        print(describe_yaml(config), end="", flush=True)
+        return 0
+    metrics = train(config, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         if metrics.get("nothing_to_do"):
             print(f"dynemb train: nothing to do: the run in {metrics['out']} is already at step "

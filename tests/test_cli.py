@@ -273,3 +273,34 @@ def test_any_failure_of_rank_0_before_training_stops_every_rank(tmp_path):
     0's error."""
     _two_ranks(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "run"),
                 "--set", "timeout_s=60"], expected=2, target=_rank_claim_fails)
+
+
+def test_print_config_shows_every_field_with_its_meaning_and_reads_back(tmp_path, capsys):
+    import dataclasses
+
+    from dynemb.train import TrainConfig
+    from dynemb.train.config_io import field_docs, from_dict, parse_yaml
+
+    assert main(["train", "--print-config", "--set", "data.split=time", "--steps", "7",
+                 "--set", "embeddings.lr=0.5", "--out", str(tmp_path / "never")]) == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "never").exists()  # nothing trained, nothing written
+    assert "# Training steps (the total: a resumed run continues up to it).\nsteps: 7" in text
+    assert "data:  # " in text and "\n  split: time\n" in text
+    config = from_dict(TrainConfig, parse_yaml(text, "printed"))
+    assert config.steps == 7 and config.data.split == "time" and config.embeddings.lr == 0.5
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == text
+
+    def undocumented(obj, prefix=""):
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from undocumented(value, prefix + f.name + ".")
+            elif not docs.get(f.name):
+                yield prefix + f.name
+    assert list(undocumented(config)) == []  # every field's meaning is printed

@@ -77,11 +77,7 @@ def to_dict(config: object) -> dict[str, Any]:
     def plain(value: object) -> object:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return value
+        return to_dict_value(value)
 
     result = plain(config)
     assert isinstance(result, dict)
@@ -282,3 +278,61 @@ def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] 
 def dump_yaml(config: object) -> str:
     """The config as YAML (every field, resolved)."""
     return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (the string literal after it)."""
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (e.g. a frozen build)
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
+                isinstance(after.value.value, str):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def describe_yaml(config: object, width: int = 96) -> str:
+    """The config as YAML (every field, resolved) with each field's meaning as a comment above
+    it, section by section: what ``dynemb train --print-config`` prints. It loads back as the
+    same config."""
+    import textwrap  # noqa: PLC0415
+
+    lines: list[str] = []
+
+    def walk(obj: object, indent: str) -> None:
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if docs.get(f.name):
+                lines.extend(textwrap.wrap(docs[f.name], width - len(indent) - 2,
+                                           initial_indent=f"{indent}# ",
+                                           subsequent_indent=f"{indent}# "))
+            if dataclasses.is_dataclass(value):
+                doc = (type(value).__doc__ or "").strip().splitlines()
+                lines.append(f"{indent}{f.name}:" + (f"  # {doc[0]}" if doc else ""))
+                walk(value, indent + "  ")
+            else:
+                text = yaml.safe_dump({f.name: to_dict_value(value)}, default_flow_style=True,
+                                      width=10**6).strip()[1:-1]
+                lines.append(f"{indent}{text}")
+
+    walk(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def to_dict_value(value: object) -> object:
+    """One field's value as plain data (see :func:`to_dict`)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [to_dict_value(v) for v in value]
+    return value
