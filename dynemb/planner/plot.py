@@ -19,9 +19,9 @@ from dynemb.errors import ConfigError, PlanningError
 from dynemb.planner.cost import predict_counts
 from dynemb.planner.plan import Plan
 from dynemb.planner.profile import AccessProfile
-from dynemb.planner.report import human_bytes
 from dynemb.planner.topology import Topology
 from dynemb.table.memory import shard_capacity, storage_layout
+from dynemb.units import human_bytes
 
 CURVE_XS = tuple(round(0.1 + 0.025 * i, 3) for i in range(37))
 """x values the curves are drawn at: 0.1, 0.125, ..., 1.0."""

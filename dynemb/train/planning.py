@@ -28,9 +28,9 @@ from dynemb.config import Storage, StorageMode, TableConfig
 from dynemb.data.base import Batch, DataSource
 from dynemb.errors import ConfigError, PlanningError
 from dynemb.planner import CostModel, Plan, TableChoice, Topology, plan
-from dynemb.planner.report import human_bytes
 from dynemb.planner.sources import profiles_from_batches
 from dynemb.train.config import TrainConfig
+from dynemb.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
