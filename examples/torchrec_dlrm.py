@@ -8,8 +8,10 @@ click task: rating >= 4); their ids reach the model as a torchrec KeyedJaggedTen
 torchrec training loop. torchrec's DLRM reads the tables from the collection's
 ``embedding_bag_configs()`` and its pooled output's ``to_dict()``; the dynemb tables hold raw
 ids (no vocabulary) and update their rows in backward with their fused Adagrad. Under torchrun
-the collection is sharded row-wise (``dynemb.distributed.shard``) and the dense layers are
-data-parallel (DistributedDataParallel). Prints the loss, then the eval AUC.
+the collection is sharded row-wise (``dynemb.distributed.shard``, in a process group of its own:
+both it and DDP run collectives during backward, and on one group they could be issued in
+different orders on different ranks) and the dense layers are data-parallel
+(DistributedDataParallel). Prints the loss, then the eval AUC.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def main() -> None:
 
     source = MovieLens100K()
     ebc = dynemb.EmbeddingBagCollection(tables(source, args.dim))
-    if distributed:
-        ebc = dynemb.distributed.shard(ebc)
+    if distributed:  # its own group: its all-to-alls never interleave with DDP's all-reduces
+        ebc = dynemb.distributed.shard(ebc, group=dist.new_group(backend="gloo"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=len(source.dense_names),
                  dense_arch_layer_sizes=[32, args.dim], over_arch_layer_sizes=[32, 1])
     trained = DistributedDataParallel(model) if distributed else model

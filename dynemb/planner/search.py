@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 @dataclass
 class _Best:
@@ -185,15 +186,19 @@ class _Program:
     table extends every state by each of its options; a state is dropped when it cannot fit
     (the smallest options of the tables left do not fit in the room left), when it cannot beat
     the best plan found (its cost plus the LP bound of the tables left exceeds it), and when
-    another state is better: no more hbm and less cost, or the same hbm and cost and less ddr.
-    States equal in all three are all kept, and the plan with the smallest choices is picked
-    at the end. The rule is exact only while ddr cannot bind, so the program runs only then
-    (the search handles the rest). Tables go largest first (the bound then cuts early);
+    another state is better: while ddr cannot bind, no more hbm and less cost, or the same hbm
+    and cost and less ddr; when it can, no more hbm, cost and ddr (one of them less). States
+    equal in all three are all kept, and the plan with the smallest choices is picked at the
+    end. Tables go largest first (the bound then cuts early);
     identical tables are adjacent and take non-decreasing options (permutations tie exactly).
     """
 
-    def __init__(self, cands: list, hbm: int, ddr: int, best: _Best) -> None:
+    def __init__(self, cands: list, hbm: int, ddr: int, best: _Best,
+                 ddr_binds: bool = False) -> None:
         self.cands, self.hbm, self.ddr, self.best = cands, hbm, ddr, best
+        self.ddr_binds = ddr_binds
+        """Whether ddr can bind: then a state is dominated only by one with no more hbm, cost
+        and ddr (see :func:`_pareto3`), else by one with no more hbm and cost."""
         self.states = 0
 
     def run(self, keep: list[list[int]], tol: float, sh: float, sd: float) -> bool:
@@ -222,7 +227,8 @@ class _Program:
             ok[ok] = c2[ok] + below.bounds(room[ok]) <= limit
             nxt = np.where(ok)[0]
             last2 = j[nxt] if k + 1 < len(free) and same[k + 1] else np.zeros(nxt.size, np.int64)
-            kept = nxt[_undominated_states(h2[nxt], c2[nxt], d2[nxt], last2)]
+            prune = _undominated_3d if self.ddr_binds else _undominated_states
+            kept = nxt[prune(h2[nxt], c2[nxt], d2[nxt], last2)]
             h, c, d = h2[kept], c2[kept], d2[kept]
             last = j[kept] if k + 1 < len(free) and same[k + 1] else np.zeros(kept.size, np.int64)
             trail.append((parent[kept], j[kept]))
@@ -271,6 +277,66 @@ def _undominated_states(h: np.ndarray, c: np.ndarray, d: np.ndarray,
         before = np.r_[np.iinfo(np.int64).max, np.minimum.accumulate(least_c)[:-1]]
         out.append(order[cheapest & (dd == least_d[block]) & (least_c[block] < before[block])])
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def _undominated_3d(h: np.ndarray, c: np.ndarray, d: np.ndarray,
+                    last: np.ndarray) -> np.ndarray:
+    """Indices (in order of hbm) of the states no other state with the same ``last`` dominates
+    in all three of hbm, cost and ddr (no more of each, less of one); states equal in all three
+    stand or fall together. For programs where ddr can bind."""
+    out = []
+    one = last.size == 0 or last.min() == last.max()
+    for value in last[:1] if one else np.unique(last):
+        idx = np.arange(last.size) if one else np.flatnonzero(last == value)
+        order = idx[np.lexsort((d[idx], c[idx], h[idx]))]
+        out.append(order[_pareto3(h[order], c[order], d[order])])
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+@njit(cache=True)
+def _pareto3(h: np.ndarray, c: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Keep-mask of states sorted by (hbm, cost, ddr): a state is dropped when an earlier one
+    (no more hbm) has no more cost and no more ddr and differs from it. The earlier states'
+    undominated (cost, ddr) points form a staircase (cost rising, ddr falling): the one of
+    largest cost <= c has the least ddr of those, so one binary search answers each state."""
+    n = h.size
+    keep = np.zeros(n, dtype=np.bool_)
+    sc = np.empty(n, dtype=np.int64)
+    sd = np.empty(n, dtype=np.int64)
+    m = 0
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and h[j + 1] == h[i] and c[j + 1] == c[i] and d[j + 1] == d[i]:
+            j += 1
+        lo, hi = 0, m
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sc[mid] <= c[i]:
+                lo = mid + 1
+            else:
+                hi = mid
+        k = lo - 1
+        if k < 0 or sd[k] > d[i]:  # undominated: keep the group, put it on the staircase
+            keep[i:j + 1] = True
+            start = k if k >= 0 and sc[k] == c[i] else k + 1
+            end = k + 1
+            while end < m and sd[end] >= d[i]:
+                end += 1
+            gone = end - start  # points the new one dominates: [start, end)
+            if gone == 0:
+                for t in range(m, start, -1):
+                    sc[t] = sc[t - 1]
+                    sd[t] = sd[t - 1]
+            elif gone > 1:
+                for t in range(end, m):
+                    sc[t - gone + 1] = sc[t]
+                    sd[t - gone + 1] = sd[t]
+            m += 1 - gone
+            sc[start] = c[i]
+            sd[start] = d[i]
+        i = j + 1
+    return keep
 
 
 def _free_tables(cands: list, keep: list[list[int]], sh: float, sd: float):

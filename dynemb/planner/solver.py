@@ -19,14 +19,15 @@ does not bin bytes:
    ``r = cost + lh*hbm + ld*ddr - min_o(...)`` bounds what choosing it adds, so options with
    ``bound + r`` above the best plan found so far (a greedy repair of the Lagrangian choice) are
    fixed out before anything else.
-4. **Dynamic program** (when ddr cannot bind: the largest ddr options left fit together): the
-   tables left with several options extend a list of partial plans one table at a time
-   (largest first); a partial plan is dropped when its cost plus the LP bound of the tables
-   still to come (hbm exact, by each table's lower convex hull) exceeds the best plan, or when
-   another one has no more hbm and less cost (see ``_Program``). This is the usual exact
-   method for multiple-choice knapsacks (dominance plus bounds over a small core) and proves
-   1,000 tables in well under a second on typical instances.
-5. **Search** (otherwise, or if the program outgrows ``STATE_LIMIT`` partial plans): a depth-
+4. **Dynamic program**: the tables left with several options extend a list of partial plans
+   one table at a time (largest first); a partial plan is dropped when its cost plus the LP
+   bound of the tables still to come (hbm exact, by each table's lower convex hull) exceeds the
+   best plan, or when another one dominates it: no more hbm and less cost when ddr cannot bind
+   (the largest ddr options left fit together), no more hbm, cost and ddr when it can (see
+   ``_Program``). This is the usual exact method for multiple-choice knapsacks (dominance plus
+   bounds over a small core) and proves 1,000 tables in well under a second on typical
+   instances.
+5. **Search** (if the program outgrows ``STATE_LIMIT`` partial plans): a depth-
    first branch and bound over the same tables, children in order of their LP bound, pruned by
    the bound and the budgets' remaining room; identical tables take non-decreasing options.
 
@@ -379,11 +380,11 @@ def solve(options: Sequence[Sequence[Option]], *, hbm_budget: int, ddr_budget: i
             for t, cs in enumerate(cands)]  # options the bound allows
     search = _Search(cands, hbm, ddr, best, node_limit)
     complete = False
-    if sum(max(cands[t][j][3] for j in ks) for t, ks in enumerate(keep)) <= ddr:
-        program = _Program(cands, hbm, ddr, best)  # ddr cannot bind
-        complete = program.run(keep, tol, lag.sh, lag.sd)
-        search.nodes = program.states
-        search.node_limit += program.states  # the limit is on the search's own nodes
+    binds = sum(max(cands[t][j][3] for j in ks) for t, ks in enumerate(keep)) > ddr
+    program = _Program(cands, hbm, ddr, best, ddr_binds=binds)
+    complete = program.run(keep, tol, lag.sh, lag.sd)
+    search.nodes = program.states
+    search.node_limit += program.states  # the limit is on the search's own nodes
     if not complete:
         complete = search.run(keep, red, tol, lag.sh, lag.sd, ld)
     if best.choice is None:
