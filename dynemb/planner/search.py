@@ -343,9 +343,11 @@ def _free_tables(cands: list, keep: list[list[int]], sh: float, sd: float):
     """The tables with several options left, largest first, identical ones adjacent in table
     order: (table indices, whether each equals the one before, its candidates)."""
     free = [t for t, ks in enumerate(keep) if len(ks) > 1]
-    size = {t: max(h / sh + d / sd for _, _, h, d in cands[t]) for t in free}
-    free.sort(key=lambda t: (-size[t], tuple(cands[t][j] for j in keep[t]), t))
-    opts = [[cands[t][j] for j in keep[t]] for t in free]
+    opts_of = {t: [cands[t][j] for j in keep[t]] for t in free}
+    # the size of the options left: tables whose options left are identical sort together
+    size = {t: max(h / sh + d / sd for _, _, h, d in opts_of[t]) for t in free}
+    free.sort(key=lambda t: (-size[t], tuple(opts_of[t]), t))
+    opts = [opts_of[t] for t in free]
     same = [k > 0 and opts[k - 1] == opts[k] for k in range(len(free))]
     return free, same, opts
 

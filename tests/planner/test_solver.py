@@ -200,3 +200,20 @@ def test_a_binding_ddr_budget_is_proven_quickly():
     sol = solve(options, hbm_budget=int(0.3 * full), ddr_budget=int(0.8 * full),
                 node_limit=100_000)
     assert sol.optimal and sol.nodes < 100_000
+
+
+@pytest.mark.parametrize("state_limit", [search.STATE_LIMIT, -1])
+def test_tables_identical_after_the_bound_tie_break_in_table_order(monkeypatch, state_limit):
+    """Tables 0 and 2 keep the same two options after the bound but differ in the options it
+    fixed out (so in size): the smallest choices put the lower index on table 0 (found by
+    hypothesis: both paths returned (18, 1, 14, 0))."""
+    monkeypatch.setattr(search, "STATE_LIMIT", state_limit)
+    o = lambda h, d, c: Option(hbm_bytes=h, ddr_bytes=d, cost=c)  # noqa: E731
+    t0 = [o(61, 0, 0), o(0, 0, 3)] + [o(60, 0, 0)] * 12 + [o(31, 0, 1)] + [o(0, 0, 3)] * 3 \
+        + [o(11, 0, 2)]
+    t2 = [o(0, 0, 3)] * 6 + [o(0, 13, 3), o(60, 37, 0), o(60, 90, 0), o(97, 60, 0),
+                             o(60, 59, 0), o(103, 60, 0), o(61, 0, 0), o(61, 0, 0),
+                             o(31, 0, 1), o(0, 0, 3), o(0, 0, 3), o(61, 0, 0), o(11, 0, 2)]
+    tables = [t0, [o(0, 0, 2)] + [o(27, 0, 0)] * 7, t2, [o(77, 0, 0)]]
+    assert brute_force(tables, 154, 0)[3] == (14, 1, 18, 0)
+    check(tables, 154, 0)
