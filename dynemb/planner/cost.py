@@ -122,10 +122,7 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
         """A calibration written by :meth:`save` (``dynemb calibrate --out``)."""
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise PlanningError(f"calibration {str(path)!r}: cannot read it as JSON ({e}).") from None
+        data = read_json(path, "calibration")
         if not isinstance(data, dict) or data.get("version") != VERSION \
                 or data.get("events") != list(EVENTS):
             raise PlanningError(f"calibration {str(path)!r}: expected a dynemb calibration of "
@@ -137,6 +134,14 @@ class CostModel:
                        machine=dict(data.get("machine") or {}))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanningError(f"calibration {str(path)!r}: malformed ({e}).") from None
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """The JSON value in the file ``path``; PlanningError naming ``what`` and the file."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise PlanningError(f"{what} {str(path)!r}: cannot read it as JSON ({e}).") from None
 
 
 def fit(samples: list[tuple[Counts, int, bool, float]], *, device: str, source: str,

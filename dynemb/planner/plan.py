@@ -14,7 +14,7 @@ from dynemb.checkpoint.files import write_text_atomic
 from dynemb.config import Storage, StorageMode, TableConfig
 from dynemb.errors import ConfigError, PlanningError
 from dynemb.optim.rules import state_width
-from dynemb.planner.cost import CostModel, predict_counts
+from dynemb.planner.cost import CostModel, predict_counts, read_json
 from dynemb.planner.defaults import default_cost_model
 from dynemb.planner.profile import AccessProfile
 from dynemb.planner.solver import Option, solve
@@ -125,10 +125,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise PlanningError(f"plan {str(path)!r}: cannot read it as JSON ({e}).") from None
+        data = read_json(path, "plan")
         if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
             raise PlanningError(f"plan {str(path)!r}: expected a dynemb plan of version "
                                 f"{PLAN_VERSION}; make it again with `dynemb plan`.")

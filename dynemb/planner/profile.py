@@ -144,9 +144,16 @@ class Placement:
         """The placement of the ``HOT_KEYS`` most looked-up keys of ``ids`` (all sampled
         lookups); ``windows``: the ids of each step (for the share of per-step distinct keys)."""
         keys, counts = np.unique(ids, return_counts=True)
+        return cls.from_counts(keys, counts, [np.unique(part) for part in windows])
+
+    @classmethod
+    def from_counts(cls, keys: np.ndarray, counts: np.ndarray,
+                    window_keys: list[np.ndarray]) -> Placement:
+        """:meth:`from_ids` of the sample's distinct ``keys`` (sorted), their lookup ``counts``
+        and the distinct keys of each step (``window_keys``)."""
         present = np.zeros(keys.size, dtype=np.int64)
-        for part in windows:
-            present[np.searchsorted(keys, np.unique(part))] += 1
+        for distinct in window_keys:
+            present[np.searchsorted(keys, distinct)] += 1
         top = np.argsort(-counts, kind="stable")[:HOT_KEYS]
         pos = (fmix64(torch.from_numpy(keys[top]) ^ to_signed(TIER_SEED)) >> 33) \
             & (_TIER_SPACE - 1)
@@ -204,17 +211,17 @@ def _distinct_after(alpha: float, num_ids: int, draws: np.ndarray) -> np.ndarray
     return (c * -np.expm1(-np.outer(draws, p))).sum(axis=1)
 
 
-def fit_law(ids: np.ndarray) -> tuple[float, int] | None:
+def fit_law(ids: np.ndarray, first_seen: np.ndarray | None = None) -> tuple[float, int] | None:
     """The Zipf law ``(alpha, num_ids)`` whose expected count of distinct ids after m lookups
     matches the sample's at m = n (exactly: ``num_ids`` by bisection for each alpha) and best
     matches it at n/16, n/8, n/4 and n/2 (squared log ratio; alpha on a grid of 0.1, then of
     0.01 around the best). How fast new ids stop appearing tells the universe and the skew
     apart: on samples of a Zipf law both come back within a few percent. None for fewer than 64
-    ids."""
+    ids. ``first_seen``: the sorted positions of each distinct id's first lookup, if known."""
     n = ids.size
     if n < 64:
         return None
-    first = np.sort(np.unique(ids, return_index=True)[1])
+    first = np.sort(np.unique(ids, return_index=True)[1]) if first_seen is None else first_seen
     draws = np.array([round(f * n) for f in LAW_POINTS], dtype=np.float64)
     seen = np.searchsorted(first, draws, side="left").astype(np.float64)
 
@@ -319,8 +326,8 @@ class AccessProfile:
                        curve=MissCurve(np.zeros(0, dtype=np.int64), 0))
         windows = max(1, steps // world_size)  # each as many ids as one global step
         used = ids[:ids.size * windows * world_size // steps] if steps >= world_size else ids
-        parts = np.array_split(used, windows)
-        uniq = sum(np.unique(part).size for part in parts) / windows
+        window_keys = [np.unique(part) for part in np.array_split(used, windows)]
+        uniq = sum(k.size for k in window_keys) / windows
         rate = min(1.0, sample_limit / ids.size)
         sample = ids
         if rate < 1.0:  # spatial sampling: keep every access of the ids hashed below the rate
@@ -330,15 +337,18 @@ class AccessProfile:
         dist = _stack_distances(codes, int(codes.max()) + 1 if codes.size else 0)
         warm = dist[dist.size // 2:]
         expected = rate * (ids.size - ids.size // 2)
-        law = fit_law(ids)
+        keys, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        first_seen = np.sort(first)
+        law = fit_law(ids, first_seen)
         curve = MissCurve(np.sort(warm[warm >= 0]).astype(np.float64) / rate, int(warm.size),
-                          expected - warm.size if rate < 1.0 else 0.0,
-                          anchor=float(np.unique(ids[:ids.size // 2]).size), law=law)
+                          expected - warm.size if rate < 1.0 else 0.0,  # anchor: the distinct
+                          anchor=float(np.searchsorted(first_seen, ids.size // 2)),  # 1st half
+                          law=law)
         return cls(lookups_per_step=ids.size * world_size / steps,
                    unique_per_step=float(min(uniq, ids.size * world_size / steps)),
                    zipf_alpha=law[0] if law else 0.0,
-                   num_ids=law[1] if law else int(np.unique(ids).size), curve=curve,
-                   placement=Placement.from_ids(ids, parts))
+                   num_ids=law[1] if law else int(keys.size), curve=curve,
+                   placement=Placement.from_counts(keys, counts, window_keys))
 
     def hit_rate(self, rows: float, num_ids: int) -> float:
         """Share of lookups an LRU of ``rows`` rows serves (``num_ids``: the default universe)."""
