@@ -7,7 +7,9 @@ both against the same models.
 Index operations: ``find(ix, keys, custom, policy, step, touch, pin, prev=None)`` (``prev``: an
 (N,) int64 journal of the scores it touched), ``restore_scores(ix, slots, prev)`` (undoes those
 touches), ``insert(ix, keys, custom, policy, step, atomic=False)`` (``atomic``: every key is
-placed or nothing changes), ``finish``, ``unpin``, ``erase``.
+placed or nothing changes), ``finish``, ``unpin`` (both free the pins of a lookup's slots;
+the pins of slots held by lookups in flight, their hold counts, are put back afterwards, which
+costs nothing when the index holds none: ``HashIndex.held_pins``), ``erase``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def _np(t: torch.Tensor):
     return t.detach().numpy()
 
 
+def _put_back(ix, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Restores the hold counts (pins) of held slots that a ``finish``/``unpin`` freed."""
+    if held is not None:
+        ix.pins[held[0]] = held[1]
+
+
 class NumbaBackend:
     """Compiled single-threaded CPU kernels."""
 
@@ -77,11 +85,15 @@ class NumbaBackend:
 
     def finish(self, ix, slots):
         inverse, unique_slots, unique_pos = (torch.empty_like(slots) for _ in range(3))
+        held = ix.held_pins(slots) if ix.held else None
         u = inb.finish(_np(slots), _np(ix.pins), _np(inverse), _np(unique_slots), _np(unique_pos))
+        _put_back(ix, held)
         return inverse, unique_slots[:u], unique_pos[:u]
 
     def unpin(self, ix, slots):
+        held = ix.held_pins(slots) if ix.held else None
         inb.unpin(_np(slots), _np(ix.pins))
+        _put_back(ix, held)
 
     def erase(self, ix, keys):
         slots = torch.empty_like(keys)
@@ -133,10 +145,15 @@ class TorchBackend:
         return ito.insert_pass(ix, keys, custom, policy, step, atomic)
 
     def finish(self, ix, slots):
-        return ito.finish(ix, slots)
+        held = ix.held_pins(slots) if ix.held else None
+        out = ito.finish(ix, slots)
+        _put_back(ix, held)
+        return out
 
     def unpin(self, ix, slots):
+        held = ix.held_pins(slots) if ix.held else None
         ito.unpin(ix, slots)
+        _put_back(ix, held)
 
     def erase(self, ix, keys):
         return ito.erase(ix, keys)

@@ -2,13 +2,15 @@
 
 Index layout (HierarchicalKV-style): ``num_buckets`` buckets of ``width`` slots (a power of two).
 Per slot: ``keys`` int64, ``scores`` int64, ``digests`` uint8 (0 empty, 1 erased, 2..255 the
-key's digest) and ``pins`` int32 scratch (-1 free; -2 pinned by the running lookup; >= 0 the
-lookup's unique index). A key lives in bucket ``bucket_of(h)``; inside it, linear probing starts
-at ``h & (width - 1)`` and wraps. Digests are compared before keys (a fast negative match).
+key's digest) and ``pins`` int32 (-1 free; -2 pinned by the running lookup; >= 0 the
+lookup's unique index; -3 ``PIN_CACHED``; ``PIN_LOCKED`` (-4) and below: held by that many
+lookups in flight, see ``dynemb.table.index``). A key lives in bucket ``bucket_of(h)``; inside it, linear probing starts at ``h & (width - 1)`` and
+wraps. Digests are compared before keys (a fast negative match).
 Erase leaves a tombstone, so a probe stops only at an empty slot, and insertion reuses the first
-tombstone it passed. A bucket without a free slot evicts its lowest-score slot that the running
-lookup has not pinned (never a key the same lookup found or inserted; a CACHING backing store
-also pins, with PIN_CACHED, the rows its cache holds).
+tombstone it passed. A bucket without a free slot evicts its lowest-score slot whose pin is
+free (never a key the same lookup found or inserted; a CACHING backing store also pins, with
+PIN_CACHED, the rows its cache holds; held slots carry their hold count, which ``finish`` and
+``unpin`` free like any pin and the backend puts back; an insert into a held tombstone keeps it).
 
 ``split``: buckets ``[0, split)`` are the hbm tier of a HYBRID table (``home_bucket_nb``); a
 single-tier index passes ``split = num_buckets``.
@@ -39,6 +41,7 @@ NUM_COUNTS = 4
 PIN_FREE = -1
 PIN_HELD = -2
 PIN_CACHED = -3
+PIN_LOCKED = -4
 _MAX_SCORE = np.iinfo(np.int64).max
 
 
@@ -114,9 +117,11 @@ def restore_scores(slots, prev, iscores):
 def _lowest_unpinned(iscores, pins, base, width, policy, step):
     """(slot, score) of the lowest-score slot of the bucket not pinned by the running lookup
     (the first such slot on ties), or (-1, MAX) if all are pinned. Two passes: a branch-free
-    minimum (vectorisable), then the first slot holding it. Under LRU every pinned slot has the
-    current step as its score, so a minimum below the step is unpinned and the pins need not be
-    read (the first minimum is taken only if unpinned, else the full scan decides)."""
+    minimum (vectorisable), then the first slot holding it. Under LRU a slot pinned by the
+    running lookup has the current step as its score, so a minimum below the step is usually
+    unpinned: the fast path reads the pins of the slots holding that minimum only, and takes the
+    first free one; if all of them are pinned (held by lookups in flight, cached rows of a
+    backing store, scores loaded from elsewhere), the full scan decides."""
     best_score = _MAX_SCORE
     if policy == P_LRU:
         for j in range(width):
@@ -204,7 +209,8 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
         ikeys[free] = k
         dig[free] = d
         iscores[free] = score
-        pins[free] = PIN_HELD
+        if pins[free] == PIN_FREE:  # (a tombstone held by lookups in flight keeps its count)
+            pins[free] = PIN_HELD
         out_slots[i] = free
         inserted[i] = True
         n_ins += 1

@@ -3,8 +3,9 @@
 Same layout and same observable behaviour as :mod:`dynemb.kernels.index_numba` (which keys are
 found, inserted, evicted or fail; tie-breaks included), though a key may sit in another slot of
 its bucket: a key is matched against the whole bucket row at once, so no probe order is needed.
-Functions take the index state ``ix`` (keys, scores, digests, pins, counts tensors and
-``num_buckets``/``width``) and mutate it in place.
+Functions take the index state ``ix`` (keys, scores, digests, pins, counts tensors,
+``num_buckets``/``width`` and ``held``, the number of slots held by lookups in flight) and
+mutate it in place.
 """
 
 from __future__ import annotations
@@ -156,7 +157,10 @@ def insert_pass(ix, keys, custom, policy: int, step: int, atomic: bool = False):
     ix.keys[put] = uk[order][take]
     ix.digests[put] = digest_of(h[order][take])
     ix.scores[put] = score_o[take]
-    ix.pins[put] = PIN_HELD
+    if ix.held:  # a tombstone held by lookups in flight keeps its count
+        ix.pins[put] = torch.where(ix.pins[put] == PIN_FREE, PIN_HELD, ix.pins[put])
+    else:
+        ix.pins[put] = PIN_HELD
     slot_u = torch.full_like(uk, -1)
     slot_u[order] = torch.where(take, slot_o, -1)
     slots = slot_u[inv]

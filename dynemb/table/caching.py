@@ -8,11 +8,18 @@ training lookup:
 2. finds the misses in the backing store, creating rows there for new keys (admission applies);
 3. brings the misses into the cache, writing back its evicted dirty rows first;
 4. serves from the backing store any key the cache could not take (a bucket full of rows this
-   lookup uses): its row id is then a ddr row, which the module path reads and updates there.
+   lookup uses or lookups in flight hold): its row id is then a ddr row, which the module path
+   reads and updates there.
 
 A cached key's backing slot is pinned (``PIN_CACHED``): the backing store never evicts a row
 the cache holds, so the cache is always a subset of the backing store. Scores and write steps
 travel with a row between the two; updates land in the cache (dirty) until written back.
+
+Holds (``lookup(hold=True)``, see ``dynemb.table.holds``): a held cache slot's pin holds its
+hold count (``PIN_LOCKED`` and below), so neither the cache's evictions nor
+:meth:`Cache._release` take it; a backing row held by a lookup that was served from the backing store is not fetched
+into the cache while held (later lookups are served from the backing store too), so the held
+lookup's row id stays the row's only copy.
 """
 
 from __future__ import annotations
@@ -133,8 +140,9 @@ class Cache:
         return slots, fresh, ev
 
     def _release(self, keys: torch.Tensor) -> bool:
-        """Drops from the cache the rows, not pinned by the running lookup, whose backing slots
-        are in the buckets of ``keys``; returns whether there were any."""
+        """Drops from the cache the rows, not pinned by the running lookup nor held by lookups
+        in flight, whose backing slots are in the buckets of ``keys``; returns whether there
+        were any."""
         cx, bx = self.index, self.backing
         buckets = home_bucket(keys, index_hash(keys), bx.num_buckets, bx.split)
         occ = cx.occupied(0, cx.num_slots)
@@ -175,6 +183,8 @@ class Cache:
         t, cx, bx = self.table, self.index, self.backing
         placed = torch.full_like(bs, -1)
         got = torch.nonzero(bs >= 0).flatten()
+        if bx.held:  # rows held where they are (served from the backing store) stay there
+            got = got[~bx.is_held(bs[got])]
         if got.numel() == 0:
             return placed
         gkeys = mkeys[got].to(t.device)

@@ -67,6 +67,10 @@ class TableChecks:
             why = "its bucket is full of rows used by this call or with higher custom scores"
         else:
             why = "its bucket is full of rows used by this same call (the table is too small for the batch)"
+        held = self.held_rows()
+        if held and self.config.score != ScorePolicy.NO_EVICTION:
+            why += (f", or held by lookups in flight ({held} rows are held from lookup(hold=True) "
+                    "until apply_gradients or release: fewer batches in flight need fewer rows)")
         msg = (f"table {self.name!r}: {failed} key occurrence(s) could not get a row: {why} "
                f"(size {self.size()} of capacity {self.capacity()}). Raise capacity, choose an "
                "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from dynemb.kernels.index_numba import C_SIZE_DELTA, EMPTY_KEY, NUM_COUNTS, PIN_FREE
+from dynemb.kernels.index_numba import C_SIZE_DELTA, EMPTY_KEY, NUM_COUNTS, PIN_FREE, PIN_LOCKED
 
 # (name, numel, dtype, fill) -> tensor: where an index keeps its persistent arrays
 Alloc = Callable[[str, int, torch.dtype, int], torch.Tensor]
@@ -27,8 +27,16 @@ class HashIndex:
         backend: a kernel backend from ``dynemb.kernels.backend``.
         split: buckets ``[0, split)`` are a HYBRID table's hbm tier (default: all, one tier).
         alloc: where keys, scores, digests and write steps live (default: ``device``; a
-            memory-mapped backing store passes its files). Pins are lookup scratch, always on
+            memory-mapped backing store passes its files). Pins (and hold counts) live on
             ``device``.
+
+    Holds: lookups in flight (``lookup(hold=True)`` until ``release``) hold their slots. A held
+    slot's pin counts its holds: ``PIN_LOCKED - (count - 1)`` (-4 for one hold, -5 for two,
+    ...), a value no insert takes as a victim, so holds cost no memory. Only :meth:`hold` and
+    :meth:`release` change a count, by one per slot given; a lookup's ``finish``/``unpin`` (which
+    free the pins it used) put the counts of held slots back (``kernels.backend``). A held slot
+    whose key is erased keeps its count (a key that reuses the slot is protected until those
+    lookups end), and a release never lowers another lookup's count.
     """
 
     def __init__(self, num_buckets: int, width: int, device: torch.device, backend, *,
@@ -46,6 +54,8 @@ class HashIndex:
         self.pins = torch.full((n,), PIN_FREE, dtype=torch.int32, device=device)
         self.counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=device)
         self.counts[C_SIZE_DELTA] = int((self.digests >= 2).sum())  # a reopened store has rows
+        self.held = 0
+        """Slots held by lookups in flight (0: nothing to keep, the common case)."""
 
     @property
     def num_slots(self) -> int:
@@ -65,6 +75,47 @@ class HashIndex:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key or -1, touching nothing."""
         return self.backend.find(self, keys, _NO_SCORES.to(keys.device), 0, 0, False, False)
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """Adds one hold to each of ``slots`` (distinct, all >= 0, free or held)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.pins.device)
+        p = self.pins[slots]
+        held = p <= PIN_LOCKED
+        if not bool((held | (p == PIN_FREE)).all()):  # a lookup pin or a cached row: a bug
+            raise AssertionError("hold of slots that are pinned")
+        self.held += slots.numel() - int(held.sum())
+        self.pins[slots] = torch.where(held, p - 1, PIN_LOCKED)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Removes one hold from each of ``slots`` (distinct, each given to :meth:`hold` before
+        and not released since); slots left without holds are free again."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.pins.device)
+        p = self.pins[slots]
+        if not bool((p <= PIN_LOCKED).all()):  # the caller's record and this index disagree
+            raise AssertionError("release of slots that are not held")
+        last = p == PIN_LOCKED
+        self.held -= int(last.sum())
+        self.pins[slots] = torch.where(last, PIN_FREE, p + 1)
+
+    def held_pins(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(slots, pins) of the held ones among ``slots`` (-1 allowed), for a lookup's
+        ``finish``/``unpin`` to put back after freeing its pins; None when nothing is held."""
+        if not self.held:
+            return None
+        s = slots[slots >= 0]
+        p = self.pins[s]
+        keep = p <= PIN_LOCKED
+        return s[keep], p[keep]
+
+    def is_held(self, slots: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: whether each of ``slots`` (N,) (all >= 0) is held."""
+        if not self.held:
+            return torch.zeros(slots.shape, dtype=torch.bool, device=slots.device)
+        return (self.pins[slots.to(self.pins.device)] <= PIN_LOCKED).to(slots.device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()

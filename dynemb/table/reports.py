@@ -58,7 +58,7 @@ class TableReports:
             ddr_rows=ddr_rows, cache_evictions=c["cache_evictions"],
             write_backs=c["write_backs"],
             backing_evictions=self.index.count(C_EVICTED) if self.cache is not None else 0,
-            prefetched=c["prefetched"])
+            prefetched=c["prefetched"], held_rows=self.held_rows())
 
     def _count_tiers(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Per-tier hits and misses of a single-index (HBM_ONLY or HYBRID) lookup."""

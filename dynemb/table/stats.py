@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,28 @@ class Lookup:
     inserted: torch.Tensor | None
     evicted: Evicted
     epoch: int
+    held: bool = False
+    """True while the lookup holds its rows (``lookup(hold=True)``, until ``release`` or
+    ``apply_gradients``): no later call evicts them."""
+    holds: Holds | None = field(default=None, repr=False, compare=False)
+    """What the lookup holds, while it does (the table's record, shared by copies)."""
+
+
+class Holds:
+    """The slots a held lookup holds, per index of its table (``DynamicTable._hold_indexes``
+    order). ``live`` turns False once released, so a copy of the lookup cannot release twice
+    (copies, deep ones included, share the record)."""
+
+    def __init__(self, owner: object, slots: tuple[torch.Tensor, ...]) -> None:
+        self.owner = owner
+        self.slots = slots
+        self.live = True
+
+    def __copy__(self) -> Holds:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Holds:
+        return self
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,9 @@ class TableStats:
     ``evicted``, and returned to the caller)."""
     prefetched: int
     """CACHING: rows ``prefetch`` brought into the cache."""
+    held_rows: int = 0
+    """Rows (slots) held right now by lookups in flight (``lookup(hold=True)``); not a counter."""
+
     @property
     def load_factor(self) -> float:
         return self.size / self.capacity if self.capacity else 0.0

@@ -17,6 +17,7 @@ from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.caching import Cache
 from dynemb.table.checks import TableChecks, writes
+from dynemb.table.holds import TableHolds
 from dynemb.table.index import HashIndex
 from dynemb.table.memory import storage_layout
 from dynemb.table.reports import TableReports
@@ -36,7 +37,7 @@ def _mix(init: Initializer, name: str) -> int:
     return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
 
 
-class DynamicTable(TableChecks, TableReports):
+class DynamicTable(TableChecks, TableReports, TableHolds):
     """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
 
     Storage (``config.storage``): HBM_ONLY keeps every row on ``device``; HYBRID splits the rows
@@ -313,17 +314,23 @@ class DynamicTable(TableChecks, TableReports):
     # ------------------------------------------------------------------ module path
 
     @writes
-    def lookup(self, keys: torch.Tensor, *, train: bool, keep_evicted: bool = False) -> Lookup:
+    def lookup(self, keys: torch.Tensor, *, train: bool, keep_evicted: bool = False,
+               hold: bool = False) -> Lookup:
         """Resolves (N,) keys for a module: in training rows are created (through admission) and
         scores touched; in eval nothing changes. Evictions are always counted and their keys and
         scores returned; their rows are copied out only with ``keep_evicted`` (a copy the
-        single-tier training path does not need)."""
+        single-tier training path does not need). ``hold``: the rows it resolved stay in place
+        (no later call evicts them) until :meth:`apply_gradients` or :meth:`release` of the
+        returned lookup (see ``dynemb.table.holds``); a call that raises holds nothing."""
         keys = self._keys(keys, "lookup")
         custom = None
         if train and self.config.score == ScorePolicy.CUSTOM and self.lookup_score is not None:
             custom = torch.full_like(keys, int(self.lookup_score))
-        return self._resolve(keys, touch=train, insert=train, admit=True, custom=custom,
-                             keep_evicted=keep_evicted)
+        lk = self._resolve(keys, touch=train, insert=train, admit=True, custom=custom,
+                           keep_evicted=keep_evicted)
+        if hold:
+            self._hold(lk)
+        return lk
 
     def embeddings(self, lk: Lookup) -> torch.Tensor:
         """(U, dim) float32: the row of each unique entry, or its eval-initializer row."""
@@ -363,7 +370,16 @@ class DynamicTable(TableChecks, TableReports):
         and handled by ``config.nonfinite``: SKIP leaves their rows and state as they were,
         RAISE raises :class:`InputError` before updating anything, APPLY applies them.
         ``clip=False`` skips ``max_grad_norm`` clipping (a sharded table is clipped by the norm
-        over all shards before this call); clipping norms count finite rows only."""
+        over all shards before this call); clipping norms count finite rows only. Releases the
+        lookup's holds (``lookup(hold=True)``) when it returns, and also when it raises: the
+        lookup is spent either way."""
+        try:
+            self._apply(lk, grads, clip)
+        finally:
+            if lk.holds is not None:
+                self.release(lk)
+
+    def _apply(self, lk: Lookup, grads: torch.Tensor, clip: bool) -> None:
         grads = grads.to(torch.float32).contiguous()
         rids, bad = self.gradient_rows(lk, grads)
         if bad:
