@@ -23,6 +23,7 @@ from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.optim.rules import clip_scale
 from dynemb.nn.modules import TablesStayPut, describe_table
+from dynemb.nn.staging import Staged
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,19 @@ class InputDist:
         """``[t][r]``: the int64 payload of rank r for table t (waits for them)."""
         self.wait()
         return comm.unpack(self.pending.wait(), self.recv_sizes)
+
+
+@dataclass
+class FloatExchange:
+    """A float32 all-to-all in flight (see :meth:`ShardedCollection.start_floats`)."""
+
+    pending: comm.Pending
+    sizes: list[list[int]]
+    """``[r][t]`` elements received from rank r for part t (part 0: the status element)."""
+    point: str
+    what: str
+    error: Exception | None
+    """This rank's own failure, raised once the exchange is done."""
 
 
 class ShardedCollection(TablesStayPut):
@@ -204,6 +218,34 @@ class ShardedCollection(TablesStayPut):
             pending = self.all_to_all(send, splits, [sum(row) for row in recv])
         return InputDist(batch=batch, requests=requests, headers=headers, recv_sizes=recv,
                          flags=flags, pending=pending, step=step, module=self)
+
+    def stage_input(self, batch: SparseBatch) -> Staged:
+        """Queues a batch a pipeline will pass to forward: its input distribution starts now
+        (collective: every rank stages its batch at the same point)."""
+        return self._stage(batch, self.input_dist)
+
+    def _eager(self, batch: SparseBatch) -> Staged:
+        """A batch distributed and looked up now (no pipeline attached)."""
+        staged = Staged(batch=batch, training=self.training, grad=torch.is_grad_enabled(),
+                        state=self.input_dist(batch))
+        self.stage_lookup(staged)
+        return staged
+
+    def stage_prefetch(self, staged: Staged) -> int:
+        """Brings the rows this rank owns of a staged batch's keys that the ddr backing stores
+        of CACHING tables hold into their caches (waits for the batch's ids); returns how many
+        rows were fetched."""
+        cached = [t for t, table in enumerate(self.tables.values()) if table.cache is not None]
+        if not cached:
+            return 0
+        fetched = 0
+        with self._timed("prefetch"):
+            received, inp = staged.state.received(), staged.state
+            for t in cached:
+                keys = torch.cat([chunk[:inp.headers.counts[r][t][0]]
+                                  for r, chunk in enumerate(received[t])])
+                fetched += list(self.tables.values())[t].prefetch(keys.to(self.device))
+        return fetched
 
     def check_backward(self, inp: InputDist) -> None:
         """Collective, first thing in backward: a header exchange of the forward header's size
@@ -382,46 +424,69 @@ class ShardedCollection(TablesStayPut):
                          "rank this step (TableConfig.nonfinite='raise'; see the error raised "
                          "on those ranks).")
 
-    def resolve_owners(self, inp: InputDist, parse) -> list[OwnerTable]:
+    def resolve_owners(self, inp: InputDist, parse, hold: bool = False
+                       ) -> tuple[list[OwnerTable], Exception | None]:
         """This rank's owner lookups for one step (``parse(t, config, counts, chunks)`` gives
-        table t's :class:`Received`), raising on every rank if any rank's lookup failed.
+        table t's :class:`Received`), with ``hold`` keeping their rows until backward.
 
         An owner-side error (a shard too full for its keys with ``on_full=RAISE``, say) happens
-        on one rank after the header exchange, while the others are about to wait in the next
-        all-to-all; one small all-reduce of a failure flag lets every rank raise instead of
-        leaving the others hanging. The failing rank raises its own error.
+        on one rank after the header exchange; it is returned (the lookups that succeeded
+        released), not raised: the rank still takes part in the output exchange, whose status
+        element tells every rank (see :meth:`start_floats`), so none is left waiting.
         """
-        point = comm.step_name(comm.PHASE_FORWARD, inp.step)
         received = inp.received()
-        error: Exception | None = None
         owners: list[OwnerTable] = []
         try:
             for t, (config, table) in enumerate(zip(self.configs, self.tables.values())):
                 counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
                 chunks = [c.to(self.device) for c in received[t]]
                 owners.append(OwnerTable.resolve(table, parse(t, config, counts, chunks),
-                                                 inp.training, self.scratch(config.name)))
-        except Exception as e:  # noqa: BLE001  (re-raised below, after the others are told)
-            error = e
-        flag = torch.tensor([0 if error is None else self.rank + 1], dtype=torch.int64,
-                            device=self.comm_device)
-        with self.transport(point, "owner lookup check"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True).wait()
-        failed = int(flag[0]) - 1
-        if error is not None:
-            raise error
-        if failed >= 0:
-            raise DynembError(f"{type(self).__name__} (rank {self.rank}): rank {failed}'s owner "
-                              "lookup failed (its own error says why); every rank stops this "
-                              "step so none waits forever.")
+                                                 inp.training, self.scratch(config.name), hold))
+        except Exception as e:  # noqa: BLE001  (raised on every rank by finish_floats)
+            for o in owners:
+                o.table.release(o.lookup)
+            return [], e
         self._count([(sum(o.received.occ_splits), sum(o.received.unique_splits))
                      for o in owners])
-        return owners
+        return owners, None
+
+    def start_floats(self, parts, recv: list[list[int]], phase: int, step: int, what: str,
+                     error: Exception | None) -> FloatExchange:
+        """Starts one float32 all-to-all of per-table (flat tensor, elements per rank)
+        ``parts``, receiving ``recv[r][t]`` elements from rank r for table t; each rank's
+        part is led by one status element (1.0: this rank failed, ``error``), so a failure on
+        one rank travels with data every rank waits for anyway."""
+        w = self.world_size
+        status = torch.full((w,), 0.0 if error is None else 1.0, dtype=torch.float32)
+        like = torch.empty(0, dtype=torch.float32, device=self.comm_device)
+        flat, splits = comm.pack([(status.to(self.comm_device), [1] * w), *parts], w, like)
+        sizes = [[1, *row] for row in recv]
+        point = comm.step_name(phase, step)
+        with self.transport(point, f"{what} all-to-all"):
+            pending = self.all_to_all(flat, splits, [sum(row) for row in sizes])
+        return FloatExchange(pending=pending, sizes=sizes, point=point, what=what, error=error)
+
+    def finish_floats(self, ex: FloatExchange) -> list[torch.Tensor]:
+        """Waits for :meth:`start_floats`'s exchange; per table, the flat float32 values received
+        (on ``device``), or the error of the rank(s) that failed, raised on every rank."""
+        with self.transport(ex.point, f"{ex.what} all-to-all"):
+            flat = ex.pending.wait()
+        got = comm.unpack_tables(flat.to(self.device), ex.sizes)
+        if ex.error is not None:
+            raise ex.error
+        failed = torch.nonzero(got[0]).flatten().tolist()
+        if failed:
+            raise DynembError(f"{type(self).__name__} (rank {self.rank}): "
+                              f"{comm.ranks_text(failed)}'s owner lookup failed at {ex.point} "
+                              "(the error raised "
+                              "there says why); every rank stops this step so none waits "
+                              "forever.")
+        return got[1:]
 
     def exchange_floats(self, parts, recv: list[list[int]], phase: int, step: int,
                         what: str) -> torch.Tensor:
         """One float32 all-to-all of per-table (flat tensor, elements per rank) ``parts`` at
-        ``phase`` of ``step``, receiving ``recv[t][r]`` elements; the result on ``device``."""
+        ``phase`` of ``step``, receiving ``recv[r][t]`` elements; the result on ``device``."""
         like = torch.empty(0, dtype=torch.float32, device=self.comm_device)
         flat, splits = comm.pack(parts, self.world_size, like)
         with self.transport(comm.step_name(phase, step), f"{what} all-to-all"):

@@ -121,14 +121,16 @@ class OwnerTable:
 
     @classmethod
     def resolve(cls, table: DynamicTable, received: Received, training: bool,
-                scratch: Scratch) -> OwnerTable:
-        """Runs the one lookup of this step over every requester's keys."""
+                scratch: Scratch, hold: bool = False) -> OwnerTable:
+        """Runs the one lookup of this step over every requester's keys (``hold``: its rows
+        are held until ``apply_gradients`` or ``release``)."""
         keys, mult = received.keys, received.multiplicity
+        held = {"hold": True} if hold else {}
         if mult is not None and counts_occurrences(table.config, training):
-            lk = table.lookup(torch.repeat_interleave(keys, mult), train=training)
+            lk = table.lookup(torch.repeat_interleave(keys, mult), train=training, **held)
             entry = lk.inverse[torch.cumsum(mult, 0) - mult]
         else:
-            lk = table.lookup(keys, train=training)
+            lk = table.lookup(keys, train=training, **held)
             entry = lk.inverse
         return cls(table=table, received=received, lookup=lk, entry=entry, scratch=scratch)
 

@@ -26,10 +26,11 @@ import torch
 from dynemb.batch import SparseBatch
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.base import InputDist, ShardedCollection
+from dynemb.distributed.base import FloatExchange, InputDist, ShardedCollection
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, plan_pooled
 from dynemb.distributed.owner import OwnerTable, parse_pooled
 from dynemb.nn.modules import EmbeddingBagCollection, KeyedEmbeddings
+from dynemb.nn.staging import Staged
 
 
 def _bag_scale(lengths: torch.Tensor) -> torch.Tensor:
@@ -59,17 +60,34 @@ class _PooledStep:
     inp: InputDist
     owners: list[OwnerTable]
 
-    def forward(self) -> torch.Tensor:
-        """(B, Σ F·dim) pooled embeddings of this rank's samples."""
-        w, reqs = self.module.world_size, self.inp.requests
-        keep = self.inp.training and self.inp.grad and self.inp.any_wants_wgrad
-        parts = [(o.pool(keep), [n * o.table.dim for n in o.received.touched_splits])
-                 for o in self.owners]
-        recv = [[req.touched_counts[r] * req.config.dim for req in reqs] for r in range(w)]
-        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_FORWARD, "output"), recv)
+    error: Exception | None = None
+    """This rank's owner-lookup failure (sent to every rank with the output)."""
+    exchange: FloatExchange | None = None
+    values: torch.Tensor | None = None
+    """(B, Σ F·dim) pooled embeddings of this rank's samples, once :meth:`finish` ran."""
+
+    def start(self) -> None:
+        """Pools the partial SUMs of the bags other ranks asked for and starts the output
+        all-to-all (zeros and a failure status when this rank's lookup failed)."""
+        m, inp, w = self.module, self.inp, self.module.world_size
+        keep = inp.training and inp.grad and inp.any_wants_wgrad
+        parts = []
+        for t, c in enumerate(m.configs):
+            sizes = [inp.headers.counts[r][t][1] * c.dim for r in range(w)]
+            values = (self.owners[t].pool(keep) if self.error is None else
+                      torch.zeros(sum(sizes), dtype=torch.float32, device=m.device))
+            parts.append((values, sizes))
+        recv = [[req.touched_counts[r] * req.config.dim for req in inp.requests] for r in range(w)]
+        self.exchange = m.start_floats(parts, recv, comm.PHASE_FORWARD, inp.step, "output",
+                                       self.error)
+
+    def finish(self) -> torch.Tensor:
+        """Waits for the output all-to-all; sums each bag's partials (in owner order)."""
+        got = self.module.finish_floats(self.exchange)
         outs = [self._assemble(req, got[t].view(-1, req.config.dim))
-                for t, req in enumerate(reqs)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+                for t, req in enumerate(self.inp.requests)]
+        self.values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.values
 
     def _assemble(self, req: TableRequest, partials: torch.Tensor) -> torch.Tensor:
         num_features, dim = len(req.config.features), req.config.dim
@@ -157,11 +175,12 @@ class _ShardedPooledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _PooledStep, anchor: torch.Tensor, weights: torch.Tensor):
         ctx.step = step
-        return step.forward()
+        return step.values
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):
-        wgrad = ctx.step.backward(gout)
+        with ctx.step.module._timed("backward"):
+            wgrad = ctx.step.backward(gout)
         if wgrad is None or not ctx.needs_input_grad[2]:
             return None, None, None
         weights = ctx.step.inp.batch.weights
@@ -183,24 +202,41 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
-        return self.pooled(self.input_dist(batch).wait())
+        staged = self._take(batch) if self._stages is not None else self._eager(batch)
+        return self._output(staged)
 
     def _plan(self, config: TableConfig, batch: SparseBatch) -> TableRequest:
         return plan_pooled(config, batch, self.world_size, self.device)
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def pooled(self, inp: InputDist) -> KeyedEmbeddings:
-        """Owner lookups, pooling and the output all-to-all of one distributed input."""
-        weighted = [inp.weighted(r) for r in range(self.world_size)]
-        owners = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_pooled(
-            chunks, counts, weighted, counts_occurrences(config, inp.training)))
-        step = _PooledStep(module=self, inp=inp, owners=owners)
-        if inp.training and inp.grad:
-            weights = inp.batch.weights
+        """Owner lookups, pooling and the output all-to-all of one distributed input (what
+        forward does after :meth:`input_dist`)."""
+        staged = Staged(batch=inp.batch, training=inp.training, grad=inp.grad, state=inp)
+        self.stage_lookup(staged)
+        return self._output(staged)
+
+    def stage_lookup(self, staged: Staged) -> None:
+        """Owner lookups (rows held until backward when a pipeline drives the collection),
+        pooling, and the start of the output all-to-all."""
+        inp, hold = staged.state, staged.updates and self._stages is not None
+        with self._timed("lookup"):
+            weighted = [inp.weighted(r) for r in range(self.world_size)]
+            owners, error = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_pooled(
+                chunks, counts, weighted, counts_occurrences(config, inp.training)), hold)
+            staged.holds += [(o.table, o.lookup) for o in owners] if hold else []
+            step = _PooledStep(module=self, inp=inp, owners=owners, error=error)
+            step.start()
+        staged.out, staged.looked_up = step, True
+
+    def _output(self, staged: Staged) -> KeyedEmbeddings:
+        step = staged.out
+        with self._timed("output_dist"):
+            values = step.finish()
+        if staged.updates:
+            weights = step.inp.batch.weights
             weights = self._anchor if weights is None else weights
             values = _ShardedPooledFn.apply(step, self._anchor, weights)
-        else:
-            values = step.forward()
         keys = [f for c in self.configs for f in c.features]
         dims = [c.dim for c in self.configs for _ in c.features]
         return KeyedEmbeddings(keys, dims, values)

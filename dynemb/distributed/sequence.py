@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from dynemb.batch import SparseBatch
 from dynemb.config import TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.base import InputDist, ShardedCollection
+from dynemb.distributed.base import FloatExchange, InputDist, ShardedCollection
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, plan_sequence
 from dynemb.distributed.owner import OwnerTable, parse_sequence
 from dynemb.errors import InputError
 from dynemb.nn.modules import EmbeddingCollection, JaggedEmbeddings
+from dynemb.nn.staging import Staged
 
 
 @dataclass
@@ -33,15 +34,32 @@ class _RowsStep:
     inp: InputDist
     owners: list[OwnerTable]
 
-    def forward(self) -> tuple[torch.Tensor, ...]:
-        """Per table, the (U, dim) rows of this rank's unique keys (``TableRequest`` order)."""
-        reqs = self.inp.requests
-        parts = [(o.rows(), [n * o.table.dim for n in o.received.unique_splits])
-                 for o in self.owners]
-        recv = [[req.unique_counts[r] * req.config.dim for req in reqs]
-                for r in range(self.module.world_size)]
-        got = comm.unpack_tables(self._exchange(parts, recv, comm.PHASE_FORWARD, "row"), recv)
-        return tuple(got[t].view(-1, req.config.dim) for t, req in enumerate(reqs))
+    error: Exception | None = None
+    """This rank's owner-lookup failure (sent to every rank with the rows)."""
+    exchange: FloatExchange | None = None
+    rows: tuple[torch.Tensor, ...] = ()
+    """Per table, the (U, dim) rows of this rank's unique keys, once :meth:`finish` ran."""
+
+    def start(self) -> None:
+        """Reads the rows other ranks asked for and starts the row all-to-all (zeros and a
+        failure status when this rank's lookup failed)."""
+        m, inp, w = self.module, self.inp, self.module.world_size
+        parts = []
+        for t, c in enumerate(m.configs):
+            sizes = [inp.headers.counts[r][t][0] * c.dim for r in range(w)]
+            rows = (self.owners[t].rows().reshape(-1) if self.error is None else
+                    torch.zeros(sum(sizes), dtype=torch.float32, device=m.device))
+            parts.append((rows, sizes))
+        recv = [[req.unique_counts[r] * req.config.dim for req in inp.requests] for r in range(w)]
+        self.exchange = m.start_floats(parts, recv, comm.PHASE_FORWARD, inp.step, "row",
+                                       self.error)
+
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """Waits for the row all-to-all."""
+        got = self.module.finish_floats(self.exchange)
+        self.rows = tuple(got[t].view(-1, req.config.dim)
+                          for t, req in enumerate(self.inp.requests))
+        return self.rows
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         """Sends each table's (U, dim) gradient to the owners, which apply the optimizers."""
@@ -67,11 +85,12 @@ class _ShardedRowsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _RowsStep, anchor: torch.Tensor):
         ctx.step = step
-        return step.forward()
+        return step.rows
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.step.backward(grads)
+        with ctx.step.module._timed("backward"):
+            ctx.step.backward(grads)
         return None, None
 
 
@@ -86,7 +105,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
-        return self.sequence(self.input_dist(batch).wait())
+        staged = self._take(batch) if self._stages is not None else self._eager(batch)
+        return self._output(staged)
 
     def _check_batch(self, batch: SparseBatch) -> SparseBatch:
         batch = super()._check_batch(batch)
@@ -102,14 +122,30 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def sequence(self, inp: InputDist) -> dict[str, JaggedEmbeddings]:
-        """Owner lookups and the row all-to-all of one distributed input."""
-        owners = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_sequence(
-            chunks, counts, counts_occurrences(config, inp.training)))
-        step = _RowsStep(module=self, inp=inp, owners=owners)
-        if inp.training and inp.grad:
+        """Owner lookups and the row all-to-all of one distributed input (what forward does
+        after :meth:`input_dist`)."""
+        staged = Staged(batch=inp.batch, training=inp.training, grad=inp.grad, state=inp)
+        self.stage_lookup(staged)
+        return self._output(staged)
+
+    def stage_lookup(self, staged: Staged) -> None:
+        """Owner lookups (rows held until backward when a pipeline drives the collection) and
+        the start of the row all-to-all."""
+        inp, hold = staged.state, staged.updates and self._stages is not None
+        with self._timed("lookup"):
+            owners, error = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_sequence(
+                chunks, counts, counts_occurrences(config, inp.training)), hold)
+            staged.holds += [(o.table, o.lookup) for o in owners] if hold else []
+            step = _RowsStep(module=self, inp=inp, owners=owners, error=error)
+            step.start()
+        staged.out, staged.looked_up = step, True
+
+    def _output(self, staged: Staged) -> dict[str, JaggedEmbeddings]:
+        step, inp = staged.out, staged.state
+        with self._timed("output_dist"):
+            rows = step.finish()
+        if staged.updates:
             rows = _ShardedRowsFn.apply(step, self._anchor)
-        else:
-            rows = step.forward()
         out: dict[str, JaggedEmbeddings] = {}
         for req, table_rows in zip(inp.requests, rows):
             lo = 0

@@ -9,7 +9,8 @@ optimizer in backward, which updates the rows in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,16 +21,23 @@ from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.kernels.backend import backend_for
+from dynemb.nn.staging import Stageable, Staged
 from dynemb.table.memory import storage_layout
 from dynemb.table.table import DynamicTable, Lookup, canonical_device
 
 
 @dataclass
 class _LookupState:
-    """What the autograd boundary needs: the table and its resolved lookup."""
+    """What the autograd boundary needs: the table, its resolved lookup, and the (U, dim) rows
+    the lookup read."""
 
     table: DynamicTable
     lookup: Lookup
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    """(F·B,) int64 bag lengths, feature-major."""
+    timer: Callable = contextlib.nullcontext
+    """``timer("backward")`` times the backward (the collection's stage timers)."""
 
 
 class _RowsFn(torch.autograd.Function):
@@ -38,12 +46,13 @@ class _RowsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _LookupState, anchor: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return state.table.embeddings(state.lookup)
+        return state.rows
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         state = ctx.state
-        state.table.apply_gradients(state.lookup, grad)
+        with state.timer("backward"):
+            state.table.apply_gradients(state.lookup, grad)
         return None, None
 
 
@@ -59,6 +68,10 @@ class _PoolState:
     """(N,) float32 per-id weights, or empty."""
     batch: int
     mean: bool
+    values: torch.Tensor | None = None
+    """(B, F·dim) the pooled output, computed by the lookup stage."""
+    timer: Callable = contextlib.nullcontext
+    """``timer("backward")`` times the backward (the collection's stage timers)."""
     entries: torch.Tensor | None = None
     """(U, dim) the entries' embeddings as forward saw them (kept only when the weights need a
     gradient: backward must not read rows an update may have changed since)."""
@@ -105,12 +118,13 @@ class _PooledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _PoolState, anchor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return state.pool(keep_entries=ctx.needs_input_grad[2])
+        return state.values
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):
         want_w = ctx.needs_input_grad[2]
-        wgrad = ctx.state.backward(gout, want_w)
+        with ctx.state.timer("backward"):
+            wgrad = ctx.state.backward(gout, want_w)
         return None, None, (wgrad if want_w else None)
 
 
@@ -190,7 +204,7 @@ def describe_table(config: TableConfig) -> str:
             f"{config.capacity:,}, {storage}, {type(config.optimizer).__name__}")
 
 
-class TablesStayPut(torch.nn.Module):
+class TablesStayPut(Stageable):
     """A module whose tables are not parameters: ``.to()``, ``.cuda()``, ``.half()`` and the
     like would convert the modules around it and leave its tables where and as they are, so
     they raise instead (see :meth:`_apply`)."""
@@ -297,6 +311,32 @@ class _Collection(TablesStayPut):
         return batch.require_features(self.feature_names, type(self).__name__,
                                       self.feature_policy)
 
+    def stage_input(self, batch: SparseBatch) -> Staged:
+        """Queues a batch a pipeline will pass to forward (checking it now)."""
+        return self._stage(batch, self._check_batch)
+
+    def stage_prefetch(self, staged: Staged) -> int:
+        """Brings the rows of a staged batch that the ddr backing stores of CACHING tables hold
+        into their caches; returns how many rows were fetched."""
+        fetched = 0
+        with self._timed("prefetch"):
+            for table in self.tables.values():
+                if table.cache is not None:
+                    fetched += table.prefetch(self._table_ids(table, staged.state)[0])
+        return fetched
+
+    def _eager(self, batch: SparseBatch) -> Staged:
+        """A batch looked up now (no pipeline attached)."""
+        staged = Staged(batch=batch, training=self.training, grad=torch.is_grad_enabled(),
+                        state=self._check_batch(batch))
+        self.stage_lookup(staged)
+        return staged
+
+    def _lookup(self, table: DynamicTable, keys: torch.Tensor, hold: bool) -> Lookup:
+        if hold:
+            return table.lookup(keys, train=self.training, hold=True)
+        return table.lookup(keys, train=self.training)
+
     def _table_ids(self, table: DynamicTable, batch: SparseBatch):
         """All ids of ``table``'s features, feature after feature: (keys (N,), lengths (F·B,)
         int64, weights (N,) or None), on the module's device, checked against each other (a
@@ -329,24 +369,41 @@ class EmbeddingBagCollection(_Collection):
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
-        batch = self._check_batch(batch)
+        staged = self._take(batch) if self._stages is not None else self._eager(batch)
         outs, keys, dims = [], [], []
-        grad = self.training and torch.is_grad_enabled()
-        for table in self.tables.values():
-            state, weights = self._pool_state(table, batch)
-            outs.append(_PooledFn.apply(state, self._anchor, weights) if grad else state.pool())
-            keys += table.config.features
-            dims += [table.dim] * len(table.config.features)
+        for state, weights in staged.out:
+            values = state.values
+            if staged.updates:
+                values = _PooledFn.apply(state, self._anchor, weights)
+            outs.append(values)
+            keys += state.table.config.features
+            dims += [state.table.dim] * len(state.table.config.features)
         return KeyedEmbeddings(keys, dims, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
-    def _pool_state(self, table: DynamicTable, batch: SparseBatch) -> tuple[_PoolState, torch.Tensor]:
+    def stage_lookup(self, staged: Staged) -> None:
+        """Looks the batch up in every table and pools it (rows held until its backward when
+        a pipeline drives the collection)."""
+        hold = staged.updates and self._stages is not None
+        with self._timed("lookup"):
+            out = []
+            for table in self.tables.values():
+                state, weights = self._pool_state(table, staged.state, hold)
+                if hold:
+                    staged.holds.append((table, state.lookup))
+                state.values = state.pool(keep_entries=staged.updates and weights.requires_grad)
+                state.timer = self._timed
+                out.append((state, weights))
+        staged.out, staged.looked_up = out, True
+
+    def _pool_state(self, table: DynamicTable, batch: SparseBatch, hold: bool
+                    ) -> tuple[_PoolState, torch.Tensor]:
         """The table's lookup over all its features, and the weights tensor autograd should see."""
         keys, lengths, weights = self._table_ids(table, batch)
         if weights is None:
             weights = torch.empty(0, dtype=torch.float32, device=self.device)
         else:
             weights = weights.to(device=self.device, dtype=torch.float32)
-        lk = table.lookup(keys, train=self.training)
+        lk = self._lookup(table, keys, hold)
         state = _PoolState(table=table, lookup=lk, lengths=lengths,
                            weights=weights.detach().contiguous(), batch=batch.batch_size,
                            mean=table.config.pooling == PoolingMode.MEAN)
@@ -359,20 +416,34 @@ class EmbeddingCollection(_Collection):
 
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> dict[str, JaggedEmbeddings]:
-        batch = self._check_batch(batch)
-        if batch.weights is not None:
-            raise InputError("EmbeddingCollection: the batch has per-id weights, which an "
-                             "unpooled lookup cannot apply; pass the batch without weights.")
+        staged = self._take(batch) if self._stages is not None else self._eager(batch)
         out: dict[str, JaggedEmbeddings] = {}
-        for table in self.tables.values():
-            keys, lengths, _ = self._table_ids(table, batch)
-            lk = table.lookup(keys, train=self.training)
-            if self.training and torch.is_grad_enabled():
-                rows = _RowsFn.apply(_LookupState(table, lk), self._anchor)
-            else:
-                rows = table.embeddings(lk)
-            bags = lengths.view(len(table.config.features), batch.batch_size)
+        for state in staged.out:
+            table, lk = state.table, state.lookup
+            rows = _RowsFn.apply(state, self._anchor) if staged.updates else state.rows
+            bags = state.lengths.view(len(table.config.features), staged.state.batch_size)
             counts = bags.sum(dim=1).tolist()
             for name, inv, bag_lengths in zip(table.config.features, lk.inverse.split(counts), bags):
                 out[name] = JaggedEmbeddings(values=F.embedding(inv, rows), lengths=bag_lengths)
         return out
+
+    def _check_batch(self, batch: SparseBatch) -> SparseBatch:
+        batch = super()._check_batch(batch)
+        if batch.weights is not None:
+            raise InputError("EmbeddingCollection: the batch has per-id weights, which an "
+                             "unpooled lookup cannot apply; pass the batch without weights.")
+        return batch
+
+    def stage_lookup(self, staged: Staged) -> None:
+        """Looks the batch up in every table and reads the rows (held until its backward when
+        a pipeline drives the collection)."""
+        hold = staged.updates and self._stages is not None
+        with self._timed("lookup"):
+            out = []
+            for table in self.tables.values():
+                keys, lengths, _ = self._table_ids(table, staged.state)
+                lk = self._lookup(table, keys, hold)
+                if hold:
+                    staged.holds.append((table, lk))
+                out.append(_LookupState(table, lk, table.embeddings(lk), lengths, self._timed))
+        staged.out, staged.looked_up = out, True
