@@ -33,6 +33,7 @@ from dynemb.checkpoint.inspect import describe, verify_all
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.errors import CheckpointError, ConfigError, DynembError
 from dynemb.train import TrainConfig, format_summary, from_dict, train
+from dynemb.train.config import PIPELINE_KINDS
 from dynemb.train.config_io import apply_overrides, describe_yaml, read_file
 
 
@@ -78,6 +79,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--overwrite", action="store_true",
                        help="start afresh in a DIR that holds an earlier run, deleting its "
                             "checkpoints and metrics (without it, such a DIR is refused)")
+    p.add_argument("--pipeline", metavar="KIND", choices=PIPELINE_KINDS,
+                   help="how steps overlap: " + ", ".join(PIPELINE_KINDS) + " (pipeline.kind; "
+                        "see docs/pipelines.md)")
     p.add_argument("--plan", metavar="FILE",
                    help="build the tables from this saved plan (dynemb plan --out FILE) "
                         "instead of planning them at start-up (embeddings.plan)")
@@ -98,7 +102,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     data = apply_overrides(data, args.set)
     for flag, key in (("data", "data.source"), ("steps", "steps"),
                       ("batch_size", "batch_size"), ("out", "out"),
-                      ("plan", "embeddings.plan")):
+                      ("plan", "embeddings.plan"), ("pipeline", "pipeline.kind")):
         value = getattr(args, flag)
         if value is not None:
             _set(data, key, value, flag.replace("_", "-"))

@@ -24,6 +24,7 @@ from dynemb.checkpoint.manifest import DELTA, read_manifest, to_json
 from dynemb.checkpoint.model import (
     ModelView, TableSlot, check_dense_state, optimizer_type, view_model,
 )
+from dynemb.nn.staging import check_idle
 from dynemb.checkpoint.paths import load_lock
 from dynemb.checkpoint.schema import FileSpec, file_specs
 from dynemb.config import OnFull, Routing, TableConfig
@@ -474,6 +475,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module,
     Raises:
         CheckpointError: on every rank, naming what was expected and what was found.
     """
+    check_idle(model, "dynemb.checkpoint.load")
     view = view_model(model)
     plan, error, lock = None, None, None
     try:

@@ -30,6 +30,7 @@ from dynemb.checkpoint.paths import (
 )
 from dynemb.checkpoint.schema import FileSpec
 from dynemb.checkpoint.model import ModelView, TableSlot, dense_state, optimizer_type, view_model
+from dynemb.nn.staging import check_idle
 from dynemb.table.stats import ExportBatch
 from dynemb.table.table import DynamicTable
 
@@ -273,6 +274,8 @@ def _write(path: str | os.PathLike, model: torch.nn.Module,
            since_step: int | None) -> ModelView:
     """The collective write of ``save`` and ``export_incremental``: rank 0 holds the path's save
     lock from before it looks at the path until the new checkpoint is in place."""
+    check_idle(model, "dynemb.checkpoint." + ("save" if since_step is None else
+                                              "export_incremental"))
     view = view_model(model)
     world, dest = view.world, Path(path).absolute()
     lock, tmp, error = None, None, None

@@ -8,15 +8,16 @@
 
 from dynemb.train.config import (
     DataConfig, DenseOptimizer, DenseOptimizerConfig, EmbeddingConfig, ModelConfig,
-    SparseOptimizer, TrainConfig,
+    PipelineConfig, SparseOptimizer, TrainConfig,
 )
 from dynemb.train.config_io import dump_yaml, from_dict, load, to_dict
 from dynemb.train.loop import train
 from dynemb.train.metrics import log_loss, roc_auc
+from dynemb.train.pipelines import KINDS as PIPELINES, Step, TrainPipeline, pipeline
 from dynemb.train.report import format_summary
 
 __all__ = [
     "DataConfig", "DenseOptimizer", "DenseOptimizerConfig", "EmbeddingConfig", "ModelConfig",
-    "SparseOptimizer", "TrainConfig", "dump_yaml", "format_summary", "from_dict", "load",
-    "log_loss", "roc_auc", "to_dict", "train",
+    "PIPELINES", "PipelineConfig", "SparseOptimizer", "Step", "TrainConfig", "TrainPipeline", "dump_yaml",
+    "format_summary", "from_dict", "load", "log_loss", "pipeline", "roc_auc", "to_dict", "train",
 ]

@@ -258,6 +258,34 @@ class DenseOptimizerConfig:
             require(is_number(value) and value >= 0, own, name, value, "a finite number >= 0")
 
 
+PIPELINE_KINDS = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync", "prefetch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How training steps overlap (see docs/pipelines.md). The run restarts its pipeline after
+    each evaluation and checkpoint (every batch pulled is trained before them)."""
+
+    kind: str = "base"
+    """base, sparse_dist, fused_sparse_dist, semi_sync or prefetch (prefetch needs a CACHING
+    table)."""
+    start_batch: int = 0
+    """semi_sync: steps (from each pipeline start) that run synchronously first."""
+    stash_gradients: bool = False
+    """semi_sync: the dense optimizer applies the previous step's gradients."""
+
+    def __post_init__(self) -> None:
+        own = "PipelineConfig"
+        require(self.kind in PIPELINE_KINDS, own, "kind", self.kind,
+                f"one of {', '.join(PIPELINE_KINDS)}")
+        _check_int(own, "start_batch", self.start_batch, 0)
+        require(isinstance(self.stash_gradients, bool), own, "stash_gradients",
+                self.stash_gradients, "true or false")
+        if self.kind != "semi_sync":
+            require(self.start_batch == 0 and not self.stash_gradients, own, "kind", self.kind,
+                    "semi_sync when start_batch or stash_gradients is set")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One ``dynemb train`` run."""
@@ -292,6 +320,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         own = "TrainConfig"
@@ -310,7 +339,8 @@ class TrainConfig:
                 "timeout_s", self.timeout_s, "a number of seconds in (0, 604800]")
         for name, kind in (("data", DataConfig), ("model", ModelConfig),
                            ("embeddings", EmbeddingConfig),
-                           ("dense_optimizer", DenseOptimizerConfig)):
+                           ("dense_optimizer", DenseOptimizerConfig),
+                           ("pipeline", PipelineConfig)):
             require(isinstance(getattr(self, name), kind), own, name, getattr(self, name),
                     f"a {kind.__name__}")
 

@@ -34,6 +34,7 @@ from dynemb.train.config import TrainConfig
 from dynemb.train.config_io import dump_yaml
 from dynemb.train.evaluate import evaluate, evaluate_train
 from dynemb.train.parallel import Env, all_max, all_sum, environment, sum_gradients
+from dynemb.train.pipelines import SPLIT, TrainPipeline, pipeline
 from dynemb.train.progress import Progress
 from dynemb.train.report import memory_report, plan_report, table_report, tier_counts, write_json
 from dynemb.train.setup import build_model, dense_optimizer, make_source, table_configs
@@ -69,6 +70,8 @@ class Run:
     """Seconds of each training step of this process (as ``train_s`` counts them)."""
     tier_counts: torch.Tensor | None = None
     """(T, 2) this rank's (lookups, hbm hits) per table during the training steps."""
+    split: dict[str, float] = field(default_factory=dict)
+    """This rank's training seconds by part (the pipeline's step time split)."""
 
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
@@ -193,20 +196,36 @@ def _prepare(config: TrainConfig, env: Env, interactive: bool | None,
                first_batches=profiled)
 
 
-def _step(run: Run, batch: Batch, params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One training step; returns this rank's mean loss (detached)."""
-    logits = run.model(batch.dense, batch.sparse)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-    run.optimizer.zero_grad(set_to_none=True)
-    (loss / run.env.world_size).backward()  # rows are updated here by their fused optimizer
-    sum_gradients(run.env, params)
-    run.optimizer.step()
-    return loss.detach()
+def _pipeline(run: Run, params: list[torch.nn.Parameter]) -> TrainPipeline:
+    """The run's training pipeline (``config.pipeline``) over its DLRM: forward on the batch's
+    dense and sparse parts, binary cross-entropy scaled by 1 / W (so the summed gradients are
+    those of the mean loss over the global batch), the dense gradients summed over the ranks
+    after backward."""
+    w, pc = run.env.world_size, run.config.pipeline
+
+    def loss_fn(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels) / w
+
+    return pipeline(pc.kind, model=run.model, optimizer=run.optimizer, loss_fn=loss_fn,
+                    forward=lambda model, batch: model(batch.dense, batch.sparse),
+                    after_backward=lambda: sum_gradients(run.env, params),
+                    start_batch=pc.start_batch, stash_gradients=pc.stash_gradients)
+
+
+def _segments(cfg: TrainConfig, start: int) -> list[int]:
+    """The steps after which the pipeline stops with nothing in flight: evaluations,
+    checkpoints and the last step."""
+    ends = {cfg.steps}
+    for every in (cfg.eval_every, cfg.checkpoint_every):
+        if every:
+            ends.update(range(every, cfg.steps, every))
+    return sorted(e for e in ends if e > start)
 
 
 def _fit(run: Run, start: int) -> None:
     """Trains from step ``start`` + 1 to ``config.steps``, logging, evaluating and saving on
-    the way."""
+    the way. Each stretch between evaluations and checkpoints runs one pipeline over exactly
+    its batches, so none is in flight when the model is evaluated or saved."""
     cfg, env = run.config, run.env
     run.progress.advance_to(start)
     per_rank = cfg.batch_size // env.world_size
@@ -222,17 +241,28 @@ def _fit(run: Run, start: int) -> None:
     window = [torch.zeros((), dtype=torch.float64, device=env.device), 0]
     run.model.train()
     before = tier_counts(run.model)
+    step = start
     with Prefetcher(itertools.chain(first, stream), cfg.data.prefetch) as batches:
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            loss = _step(run, next(batches).to(env.device), params)
-            window[0] += loss
-            window[1] += 1
-            took = time.perf_counter() - t0
-            run.train_s += took
-            run.step_s.append(took)
-            run.progress.step()
-            _after_step(run, step, start, window)
+        on_device = (b.to(env.device) for b in batches)
+        for end in _segments(cfg, start):
+            with _pipeline(run, params) as pipe:
+                it = itertools.islice(on_device, end - step)
+                while True:
+                    t0 = time.perf_counter()
+                    done = pipe.progress(it)
+                    took = time.perf_counter() - t0
+                    window[0] += done.loss * env.world_size
+                    window[1] += 1
+                    run.train_s += took
+                    run.step_s.append(took)
+                    for key, s in done.seconds.items():
+                        run.split[key] = run.split.get(key, 0.0) + s
+                    step += 1
+                    run.progress.step()
+                    if step == end:
+                        break
+                    _after_step(run, step, start, window)  # logs (segments end at the rest)
+            _after_step(run, step, start, window)  # evaluate or save: no batch in flight
         run.data_wait_s = batches.wait_s
     run.tier_counts = tier_counts(run.model) - before
 
@@ -291,6 +321,8 @@ def _finish(run: Run, start: int, wall: float) -> dict:
     step_ms = 1e3 * statistics.median(run.step_s) if run.step_s else 0.0
     times = all_max(env, torch.tensor([run.train_s, run.data_wait_s, step_ms],
                                       dtype=torch.float64, device=env.device)).tolist()
+    split = all_max(env, torch.tensor([run.split.get(k, 0.0) for k in SPLIT],
+                                      dtype=torch.float64, device=env.device)).tolist()
     steps_run = cfg.steps - start
     metrics = {
         "out": str(run.out), "data": {"source": cfg.data.source, **run.source.info},
@@ -302,6 +334,12 @@ def _finish(run: Run, start: int, wall: float) -> dict:
                        "step_ms_median": times[2], "wall_s": time.perf_counter() - wall},
         "tables": table_report(run.model, env), "memory": memory_report(env),
         "plan": plan_report(run.settled, run.model, env, run.tier_counts, times[2]),
+        "pipeline": {"kind": cfg.pipeline.kind, "start_batch": cfg.pipeline.start_batch,
+                     "stash_gradients": cfg.pipeline.stash_gradients,
+                     "split_s": dict(zip(SPLIT, split)),
+                     "split_share": {k: v / times[0] if times[0] else 0.0
+                                     for k, v in zip(SPLIT, split)},
+                     "per_rank": "each part's seconds are the slowest rank's"},
         "history": run.history,
     }
     if env.is_main:

@@ -152,6 +152,11 @@ def format_summary(metrics: dict) -> str:
                  f"waiting for data {100 * thr['data_wait_share']:.1f} % of it; "
                  f"wall {thr['wall_s']:.1f} s; peak memory "
                  f"{metrics['memory']['peak_rss_mib']:,.0f} MiB")
+    pipe = metrics.get("pipeline")
+    if pipe:
+        parts = ", ".join(f"{k.replace('_', ' ')} {100 * v:.0f} %"
+                          for k, v in pipe["split_share"].items() if v >= 0.005)
+        lines.append(f"  pipeline {pipe['kind']}: {parts}")
     for name, t in metrics["tables"].items():
         line = (f"  table {name:<12} {t['rows']:>9,} rows of {t['capacity']:>9,}  "
                 f"hit rate {_fmt(t['hit_rate'], 3)} (ids that had a row)  "
