@@ -187,3 +187,30 @@ def test_inspect_prints_a_run_checkpoint(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "table 'embeddings/c1'" in text and "verified" in text and "rows" in text
     assert main(["inspect", str(tmp_path / "missing")]) == 1
+
+
+def test_train_pipelines_train_exactly_as_base_and_report_their_split(tmp_path, capsys):
+    """`dynemb train --pipeline KIND`: the exact kinds give base's losses, AUCs and rows (one
+    pipeline per stretch between evaluations and checkpoints); semi_sync trains and differs;
+    metrics.json and the summary name the pipeline and its time split."""
+    base = ["train", *TINY[:-2], "--batch-size", "32", "--steps", "10",
+            "--set", "eval_every=4", "--set", "log_every=3", "--set", "checkpoint_every=5"]
+    runs = {}
+    for kind in ("base", "sparse_dist", "fused_sparse_dist", "semi_sync"):
+        out = tmp_path / kind
+        assert main([*base, "--pipeline", kind, "--out", str(out)]) == 0
+        runs[kind] = (_metrics(out), _rows(out / "checkpoints" / "step-00000010"))
+    summary = capsys.readouterr().out
+    assert "pipeline fused_sparse_dist:" in summary and "lookup" in summary
+    ref, ref_rows = runs["base"]
+    for kind, (m, rows) in runs.items():
+        pipe = m["pipeline"]
+        assert pipe["kind"] == kind
+        assert set(pipe["split_s"]) == {"data", "input_dist", "lookup", "prefetch",
+                                        "output_dist", "dense", "backward", "optimizer"}
+        assert pipe["split_s"]["lookup"] > 0 and pipe["split_s"]["dense"] > 0
+        keep = ("step", "eval_auc", "eval_log_loss", "train_loss")
+        same = [{k: h[k] for k in keep} for h in m["history"]] == [
+            {k: h[k] for k in keep} for h in ref["history"]] and all(
+            torch.equal(rows[t][c], ref_rows[t][c]) for t in ref_rows for c in ref_rows[t])
+        assert same == (kind != "semi_sync"), kind
