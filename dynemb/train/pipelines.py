@@ -51,12 +51,15 @@ import torch
 import torch.distributed as dist
 
 from dynemb.config import StorageMode
+from dynemb.distributed import comm
 from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.nn.staging import StageQueue, Stageable, Staged, release
 from dynemb.train.config import PIPELINE_KINDS as KINDS
 
 logger = logging.getLogger(__name__)
 
+_NONE, _HAVE, _FAILED = 0, 1, 2
+"""What a rank's iterator gave (the per-batch agreement)."""
 LEAD = {"base": 0, "sparse_dist": 1, "fused_sparse_dist": 1, "semi_sync": 2, "prefetch": 1}
 """Batches each kind pulls beyond the one it trains."""
 SPLIT = ("data", "input_dist", "lookup", "prefetch", "output_dist", "dense", "backward",
@@ -368,36 +371,47 @@ class TrainPipeline:
         waited = 0.0
         while len(self._inflight) < depth and not self._exhausted:
             t0 = time.perf_counter()
+            batch, error = None, None
             try:
-                batch, have = next(self._it), True
+                batch, have = next(self._it), _HAVE
             except StopIteration:
-                batch, have = None, False
+                have = _NONE
+            except Exception as e:  # noqa: BLE001  (raised on every rank by _all_have)
+                have, error = _FAILED, e
             waited += time.perf_counter() - t0
-            if not self._all_have(have):
+            if not self._all_have(have, error):
                 self._exhausted = True
-                self.dropped += int(have)
+                self.dropped += int(have == _HAVE)
                 break
             with self.streams.ahead():
                 self._stage(batch)
         return waited
 
-    def _all_have(self, have: bool) -> bool:
+    def _all_have(self, have: int, error: Exception | None) -> bool:
         """Whether every rank pulled a batch (one small all-reduce per batch when sharded);
-        when some did not, the ranks that did say so and drop theirs."""
-        if not self._agree:
-            return have
-        world, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
-        flags = torch.zeros(world, dtype=torch.int64, device=self._device)
-        flags[rank] = int(have)
-        dist.all_reduce(flags, group=self._group)
-        got = flags.tolist()
-        if all(got):
+        when some did not, the ranks that did say so and drop theirs. A rank whose iterator
+        raised makes every rank raise (its own error there)."""
+        got = [have]
+        if self._agree:
+            world, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
+            flags = torch.zeros(world, dtype=torch.int64, device=self._device)
+            flags[rank] = have
+            dist.all_reduce(flags, group=self._group)
+            got = flags.tolist()
+        if error is not None:
+            raise error
+        failed = [r for r, g in enumerate(got) if g == _FAILED]
+        if failed:
+            raise DynembError(f"pipeline {self.name}: the batch iterator of "
+                              f"{comm.ranks_text(failed)} raised (the error raised there says "
+                              "why); every rank stops so none waits forever.")
+        if all(g == _HAVE for g in got):
             return True
-        if any(got):
+        if any(g == _HAVE for g in got):
             logger.warning("pipeline %s: rank(s) %s ran out of batches at batch %d; every rank "
                            "stops there (rank(s) %s drop the batch they pulled)", self.name,
-                           [r for r, g in enumerate(got) if not g], self._pulled,
-                           [r for r, g in enumerate(got) if g])
+                           [r for r, g in enumerate(got) if g != _HAVE], self._pulled,
+                           [r for r, g in enumerate(got) if g == _HAVE])
         return False
 
     def _stage(self, batch: Any) -> None:

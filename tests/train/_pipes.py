@@ -326,3 +326,26 @@ def job_resume(rank: int, world_size: int, path: str) -> dict:
     got += piped("fused_sparse_dist", model2, dense2, data[len(got):])
     return {"got": got, "want": want, "state": state(model2), "ref": state(ref),
             "refused": refused}
+
+
+def job_iterator_raises(rank: int, world_size: int) -> dict:
+    """Rank 1's iterator raises at its third batch: every rank raises instead of waiting."""
+    model, dense = build("sgd")
+
+    def source():
+        for i, b in enumerate(batches(6, rank=rank)):
+            if rank == 1 and i == 2:
+                raise OSError("the data file went away")
+            yield b
+
+    pipe = pipeline("sparse_dist", model=model, optimizer=dense, loss_fn=loss_fn)
+    it = source()
+    try:
+        while True:
+            pipe.progress(it)
+    except Exception as e:  # noqa: BLE001
+        out = {"error": None, "kind": type(e).__name__, "msg": str(e)}
+    pipe.close()
+    out["held"] = sum(t.held_rows() for t in model.ebc.tables.values())
+    out.pop("error")
+    return out

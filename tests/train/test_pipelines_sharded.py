@@ -51,3 +51,10 @@ def test_drain_save_and_resume_equals_the_uninterrupted_run(tmp_path):
         assert res["refused"] is not None and "drain()" in res["refused"]
         _equal(res["got"], res["want"])
         P.assert_same(res["state"], res["ref"])
+
+
+def test_an_iterator_that_raises_on_one_rank_stops_every_rank(tmp_path):
+    r0, r1 = P.spawn(P.job_iterator_raises, 2, tmp_path)
+    assert r1["kind"] == "OSError" and "went away" in r1["msg"]
+    assert r0["kind"] == "DynembError" and "iterator of rank 1 raised" in r0["msg"]
+    assert r0["held"] == r1["held"] == 0
