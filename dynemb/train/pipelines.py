@@ -55,6 +55,7 @@ from dynemb.distributed import comm
 from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.nn.staging import StageQueue, Stageable, Staged, release
 from dynemb.train.config import PIPELINE_KINDS as KINDS
+from dynemb.train.streams import Streams
 
 logger = logging.getLogger(__name__)
 
@@ -94,57 +95,6 @@ class _InFlight:
     looked_up: bool = False
 
 
-class Streams:
-    """Where a coming batch's stages run. CPU: in order on the calling thread (no CUDA call, no
-    ``record_stream``; overlap comes from the asynchronous collectives). CUDA: on a side stream
-    that first waits for everything queued on the main stream (a lookup reads rows the main
-    stream's backward updated); before the main stream uses a staged batch it waits for the
-    side stream, and every tensor the stages made is recorded on the main stream, so the
-    allocator never hands out its memory while the main stream may still read it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def ahead(self):
-        """Runs the enclosed stage calls of a coming batch on the side stream."""
-        if self.side is None:
-            yield
-            return
-        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-        with torch.cuda.stream(self.side):
-            yield
-
-    def consume(self, staged: list[Staged]) -> None:
-        """The main stream may now use what the stages of ``staged`` made."""
-        if self.side is None:
-            return
-        main = torch.cuda.current_stream(self.side.device)
-        main.wait_stream(self.side)
-        for t in _tensors([(s.state, s.out) for s in staged]):
-            if t.device.type == "cuda":
-                t.record_stream(main)
-
-
-def _tensors(obj, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj`` through dataclass fields, lists, tuples and dicts."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x, seen)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x, seen)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name, None), seen)
-
-
 def pipeline(kind: str, *, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
              optimizer: torch.optim.Optimizer | None = None,
              forward: Callable[[torch.nn.Module, Any], Any] | None = None,
@@ -181,9 +131,12 @@ class TrainPipeline:
         if kind != "semi_sync" and (start_batch or stash_gradients):
             raise ConfigError(f"pipeline {kind!r}: start_batch and stash_gradients belong to "
                               "the semi_sync pipeline; leave them at their defaults.")
-        if not isinstance(start_batch, int) or start_batch < 0:
+        if not isinstance(start_batch, int) or isinstance(start_batch, bool) or start_batch < 0:
             raise ConfigError(f"pipeline {kind!r}: start_batch: expected an int >= 0, found "
                               f"{start_batch!r}.")
+        if not isinstance(stash_gradients, bool):
+            raise ConfigError(f"pipeline {kind!r}: stash_gradients: expected True or False, "
+                              f"found {stash_gradients!r}.")
         self.kind, self.model, self.loss_fn, self.optimizer = kind, model, loss_fn, optimizer
         self._forward = forward or (lambda m, b: m(b))
         self._after_backward = after_backward
@@ -260,14 +213,14 @@ class TrainPipeline:
         t0 = time.perf_counter()
         try:
             data = self._fill(self.lead + 1)
-            if not self._inflight:
-                raise StopIteration
-            step = self._run()
-        except StopIteration:
-            raise
+            step = self._run() if self._inflight else None
         except BaseException as e:
             self._fail(e)
+            if isinstance(e, StopIteration):  # not the iterator's end: the step's own code
+                raise self._stopped_inside() from e
             raise
+        if step is None:
+            raise StopIteration
         step.seconds["data"] = data
         step.seconds["total"] = time.perf_counter() - t0
         return step
@@ -282,6 +235,8 @@ class TrainPipeline:
                 steps.append(self._run())
         except BaseException as e:
             self._fail(e)
+            if isinstance(e, StopIteration):
+                raise self._stopped_inside() from e
             raise
         return steps
 
@@ -334,6 +289,8 @@ class TrainPipeline:
                 loss.backward()
                 if self._after_backward is not None:
                     self._after_backward()
+        for s in cur.staged:  # the batch is done: an output its loss did not use still held
+            release(s)
         seconds["dense"] = time.perf_counter() - t0 - self._collect(seconds)
         self._inflight.popleft()
         if self.kind == "fused_sparse_dist" and nxt is not None:
@@ -469,6 +426,13 @@ class TrainPipeline:
         for b in self._inflight:
             for s in b.staged:
                 release(s)
+
+    def _stopped_inside(self) -> DynembError:
+        return DynembError(f"pipeline {self.name}: StopIteration was raised inside a step (the "
+                           "model's forward, loss_fn, backward, after_backward or the optimizer), "
+                           "not by the iterator; passed on, it would end the training loop as if "
+                           "the data had run out. Find what raised it (the chained error) and "
+                           "raise another exception there.")
 
     def _check_usable(self) -> None:
         if self._closed:
