@@ -17,64 +17,94 @@ travel with a row between the two; updates land in the cache (dirty) until writt
 
 Holds (``lookup(hold=True)``, see ``dynemb.table.holds``): a held cache slot's pin holds its
 hold count (``PIN_LOCKED`` and below), so neither the cache's evictions nor
-:meth:`Cache._release` take it; a backing row held by a lookup that was served from the backing store is not fetched
-into the cache while held (later lookups are served from the backing store too), so the held
-lookup's row id stays the row's only copy.
+:meth:`CachedResolver._release` take it; a backing row held by a lookup that was served from
+the backing store is not fetched into the cache while held (later lookups are served from the
+backing store too), so the held lookup's row id stays the row's only copy.
+
+:class:`CachedResolver` is the resolver of a CACHING table (``dynemb.table.resolver``): it
+reads and advances the table's shared state (step, epoch, counters, eviction log) and creates,
+initialises and evicts backing rows through the table's row life cycle, like the single-index
+resolver; ``DynamicTable.cache`` is this object.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from dynemb.config import ScorePolicy
+from dynemb.config import ScorePolicy, TableConfig
 from dynemb.errors import ConfigError
 from dynemb.kernels.hashing import home_bucket, index_hash
-from dynemb.kernels.index_numba import P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
+from dynemb.kernels.index_numba import C_EVICTED, P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
 from dynemb.kernels.index_torch import dedup
+from dynemb.optim.rules import RowOptimizer
 from dynemb.table.index import HashIndex
+from dynemb.table.lifecycle import RowLifecycle
+from dynemb.table.memory import Layout
+from dynemb.table.resolver import Resolver
+from dynemb.table.state import Saved, TableState
 from dynemb.table.stats import Lookup
-
-if TYPE_CHECKING:
-    from dynemb.table.storage import DdrFiles
-    from dynemb.table.table import DynamicTable
+from dynemb.table.storage import DdrFiles, RowStore
 
 
-class Cache:
-    """The cache index, each cached row's backing slot (``home``) and dirty flag."""
+class CachedResolver(Resolver):
+    """The cache index (``index``) over the backing store (``backing``, the table's index), each
+    cached row's backing slot (``home``) and dirty flag.
 
-    def __init__(self, table: DynamicTable, files: DdrFiles | None) -> None:
-        lay = table.layout
-        self.table = table
+    Args:
+        config, layout, state, life, store: the table's (see ``Resolver``).
+        backing: the backing store's index (every row of the table; its slot s is global row
+            ``layout.hbm_rows + s``).
+        optimizer: the table's row optimizer (its step is in the store's header).
+        files: the ddr store's files, or None.
+    """
+
+    def __init__(self, config: TableConfig, layout: Layout, state: TableState,
+                 life: RowLifecycle, store: RowStore, backing: HashIndex,
+                 optimizer: RowOptimizer, files: DdrFiles | None) -> None:
+        super().__init__(config, layout, state, life, store, backing, layout.hbm_rows)
+        self.backing = backing
+        self.optimizer = optimizer
         self.files = files
-        self.index = HashIndex(lay.cache_buckets, lay.cache_width, table.device, table.backend)
-        self.home = torch.full((self.index.num_slots,), -1, dtype=torch.int64, device=table.device)
-        self.dirty = torch.zeros(self.index.num_slots, dtype=torch.bool, device=table.device)
+        dev = self.device
+        self.index = HashIndex(layout.cache_buckets, layout.cache_width, dev, store.backend)
+        self.home = torch.full((self.index.num_slots,), -1, dtype=torch.int64, device=dev)
+        self.dirty = torch.zeros(self.index.num_slots, dtype=torch.bool, device=dev)
         # A cache must always be able to evict: NO_EVICTION tables cache by recency (LRU).
-        self.policy = P_LRU if table._policy == P_NO_EVICTION else table._policy
+        self.policy = P_LRU if state.policy == P_NO_EVICTION else state.policy
         self.unflushed = False
-
-    @property
-    def backing(self) -> HashIndex:
-        return self.table.index
+        self.hold_indexes = (self.index, backing)
 
     def nbytes(self) -> int:
         return (self.index.nbytes() + self.home.numel() * self.home.element_size()
                 + self.dirty.numel() * self.dirty.element_size())
 
+    def index_bytes(self) -> tuple[int, int]:
+        return self.nbytes(), self.backing.nbytes()
+
+    def tier_rows(self) -> tuple[int, int]:
+        return self.index.size(), self.backing.size()
+
+    def backing_evictions(self) -> int:
+        return self.backing.count(C_EVICTED)
+
+    def hold_parts(self, rids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cached = rids < self.row_offset
+        return rids[cached], (rids[~cached] - self.row_offset).to(self.backing.keys.device)
+
     # ------------------------------------------------------------------ lookups
 
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
-                custom: torch.Tensor, keep_evicted: bool, saved: tuple | None) -> Lookup:
-        """``DynamicTable._resolve`` for a CACHING table (``table.step`` already advanced).
+                custom: torch.Tensor, keep_evicted: bool, saved: Saved | None) -> Lookup:
+        """``Resolver.resolve`` for a CACHING table.
 
         ``saved`` (an atomic call: ``on_full`` RAISE): the table's step and counters before the
         call; if a new key cannot get a backing row, every change is undone and the call raises.
         Until then the call has only touched (journaled) and pinned, and possibly moved cached
         rows of full buckets to the backing store (their contents unchanged)."""
-        t, cx, bx = self.table, self.index, self.backing
-        step, c = t.step, t._counters
+        cx, bx, life, st = self.index, self.backing, self.life, self.state
+        step, c, dev = st.step, st.counters, self.device
         prev = torch.empty_like(keys) if saved is not None and touch else None
         cs = cx.backend.find(cx, keys, custom, self.policy, step, touch, True, prev)
         miss = torch.nonzero(cs < 0).flatten()
@@ -82,13 +112,13 @@ class Cache:
             c["hbm_hits"] += keys.numel() - miss.numel()
             c["hbm_misses"] += miss.numel()
             self.unflushed = True
-        inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=t.device) if insert else None
-        evicted, failed, bs = t._evicted_none(), 0, None
+        inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=dev) if insert else None
+        evicted, failed, bs = life.evicted_none(), 0, None
         if miss.numel():
             bdev = bx.keys.device
             mkeys = keys[miss].to(bdev)
             mcustom = custom[miss].to(bdev) if custom.numel() else custom.to(bdev)
-            bs = bx.backend.find(bx, mkeys, mcustom[:0], t._policy, step, False, True)
+            bs = bx.backend.find(bx, mkeys, mcustom[:0], st.policy, step, False, True)
             existed = bs >= 0
             if touch:
                 c["ddr_hits"] += int(existed.sum())
@@ -96,7 +126,7 @@ class Cache:
             base = torch.where(existed, bx.scores[bs.clamp(min=0)], 0)  # scores before this call
             if insert:
                 absent = torch.nonzero(~existed).flatten()
-                new = t._admitted(mkeys, absent, admit)
+                new = life.admitted(mkeys, absent, admit)
                 if new.numel():
                     slots, fresh, ev = self._backing_insert(
                         mkeys[new], mcustom[new] if mcustom.numel() else mcustom, saved is not None)
@@ -106,19 +136,19 @@ class Cache:
                         if prev is not None:
                             cx.backend.restore_scores(cx, cs, prev)
                         cx.backend.unpin(cx, cs)
-                        t._refuse(failed, saved)
-                    evicted = t._take_evicted(*ev, with_rows=keep_evicted)
-                    t._init_rows(bx, slots[fresh], mkeys[new][fresh].to(t.device))
+                        self.refuse(failed, saved)
+                    evicted = life.take_evicted(*ev, with_rows=keep_evicted, offset=self.row_offset)
+                    life.init_rows(bx, slots[fresh], mkeys[new][fresh].to(dev), self.row_offset)
                     bs[new] = slots
-                    inserted[miss[new.to(t.device)]] = fresh.to(t.device)
-                t._record_admission(mkeys, absent, bs, admit)
+                    inserted[miss[new.to(dev)]] = fresh.to(dev)
+                life.record_admission(mkeys, absent, bs, admit)
                 placed = self._fetch(mkeys, bs, existed, base, mcustom, lookup=True)
-                cs[miss] = placed.to(t.device)
+                cs[miss] = placed.to(dev)
                 if touch:  # occurrences served from the backing store touch its scores
                     by = (placed < 0) & existed
                     if bool(by.any()):
                         bx.backend.find(bx, mkeys[by], mcustom[by] if mcustom.numel() else mcustom,
-                                        t._policy, step, True, False)
+                                        st.policy, step, True, False)
         return self._finish(keys, cs, miss, bs, inserted, evicted, failed)
 
     def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor, atomic: bool):
@@ -127,14 +157,14 @@ class Cache:
         buckets that this call does not use leave the cache (written back), and the refused
         keys are inserted again, evicting by score like any full bucket. ``atomic``: each
         attempt places every key or changes nothing (the second attempt retries them all)."""
-        t, bx = self.table, self.backing
-        slots, fresh, ev = bx.backend.insert(bx, keys, custom, t._policy, t.step, atomic)
+        bx, policy, step = self.backing, self.state.policy, self.state.step
+        slots, fresh, ev = bx.backend.insert(bx, keys, custom, policy, step, atomic)
         fail = torch.nonzero(slots < 0).flatten()
-        if fail.numel() and t._policy != P_NO_EVICTION and self._release(keys[fail]):
+        if fail.numel() and policy != P_NO_EVICTION and self._release(keys[fail]):
             if atomic:
-                return bx.backend.insert(bx, keys, custom, t._policy, t.step, True)
+                return bx.backend.insert(bx, keys, custom, policy, step, True)
             again, fresh2, ev2 = bx.backend.insert(
-                bx, keys[fail], custom[fail] if custom.numel() else custom, t._policy, t.step)
+                bx, keys[fail], custom[fail] if custom.numel() else custom, policy, step)
             slots[fail], fresh[fail] = again, fresh2
             ev = tuple(torch.cat([a, b]) for a, b in zip(ev, ev2))
         return slots, fresh, ev
@@ -154,7 +184,7 @@ class Cache:
 
     def _finish(self, keys, cs, miss, bs, inserted, evicted, failed) -> Lookup:
         """Releases the pins of both indexes and numbers the entries by row id."""
-        t, cx, bx = self.table, self.index, self.backing
+        cx, bx = self.index, self.backing
         rid = cs
         if bs is not None:
             away = cs[miss] < 0
@@ -163,42 +193,42 @@ class Cache:
             bx.pins[fetched] = PIN_CACHED
             if bool(away.any()):
                 rid = cs.clone()
-                served = bs.to(t.device)[away]
-                rid[miss[away]] = torch.where(served >= 0, served + t.row_offset, -1)
+                served = bs.to(self.device)[away]
+                rid[miss[away]] = torch.where(served >= 0, served + self.row_offset, -1)
         if rid is cs:
             inverse, unique_rids, unique_pos = cx.backend.finish(cx, cs)
         else:  # some entries live in the backing store: number them by global row id
             cx.backend.unpin(cx, cs)
             inverse, unique_rids, unique_pos = dedup(rid)
         if failed:
-            t._on_full(failed)
+            self.on_full(failed)
         return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_rids,
-                            inverse=inverse, inserted=inserted, evicted=evicted, epoch=t._epoch)
+                      inverse=inverse, inserted=inserted, evicted=evicted, epoch=self.state.epoch)
 
     def _fetch(self, mkeys: torch.Tensor, bs: torch.Tensor, existed: torch.Tensor,
                base: torch.Tensor, mcustom: torch.Tensor, *, lookup: bool) -> torch.Tensor:
         """Brings the rows of occurrences ``mkeys`` found at backing slots ``bs`` (-1: none) into
         the cache; returns each occurrence's cache slot (-1: not cached). ``existed``/``base``:
         whether the key was in the backing store before this call, and its score there."""
-        t, cx, bx = self.table, self.index, self.backing
+        cx, bx, dev = self.index, self.backing, self.device
         placed = torch.full_like(bs, -1)
         got = torch.nonzero(bs >= 0).flatten()
         if bx.held:  # rows held where they are (served from the backing store) stay there
             got = got[~bx.is_held(bs[got])]
         if got.numel() == 0:
             return placed
-        gkeys = mkeys[got].to(t.device)
-        gcustom = mcustom[got].to(t.device) if mcustom.numel() else t._no_scores
-        cslots, cfresh, cev = cx.backend.insert(cx, gkeys, gcustom, self.policy, t.step)
+        gkeys = mkeys[got].to(dev)
+        gcustom = mcustom[got].to(dev) if mcustom.numel() else self.state.no_scores
+        cslots, cfresh, cev = cx.backend.insert(cx, gkeys, gcustom, self.policy, self.state.step)
         self._evict(*cev)
         first = torch.nonzero(cfresh).flatten()
         dst, src = cslots[first], bs[got][first.to(bs.device)]
-        t.store.fetch(src, dst)
-        self.home[dst] = src.to(t.device)
+        self.store.fetch(src, dst)
+        self.home[dst] = src.to(dev)
         self.dirty[dst] = False
-        cx.written[dst] = bx.written[src].to(t.device)
-        self._carry_scores(dst, existed[got][first.to(bs.device)].to(t.device),
-                           base[got][first.to(bs.device)].to(t.device), lookup,
+        cx.written[dst] = bx.written[src].to(dev)
+        self._carry_scores(dst, existed[got][first.to(bs.device)].to(dev),
+                           base[got][first.to(bs.device)].to(dev), lookup,
                            custom_given=gcustom.numel() > 0)
         placed[got] = cslots.to(bs.device)
         return placed
@@ -206,7 +236,7 @@ class Cache:
     def _carry_scores(self, dst, existed, base, lookup: bool, *, custom_given: bool) -> None:
         """The score of a row fetched into cache slots ``dst``: its backing score ``base`` as this
         lookup touches it (the kernel scored it as a new key; keys new to the table keep that)."""
-        cx, policy = self.index, self.table.config.score
+        cx, policy = self.index, self.state.score
         if not lookup:  # prefetch: the row was not used, its score stays what it was
             cx.scores[dst] = base
             return
@@ -220,9 +250,9 @@ class Cache:
         """Writes back cache rows the cache index evicted (before their slots are reused)."""
         if slots.numel() == 0:
             return
-        t, bx = self.table, self.backing
-        t._epoch += 1
-        t._counters["cache_evictions"] += slots.numel()
+        bx = self.backing
+        self.state.epoch += 1
+        self.state.counters["cache_evictions"] += slots.numel()
         self._write_back(slots)
         home = self.home[slots].to(bx.keys.device)
         bx.scores[home] = scores.to(bx.scores.device)
@@ -232,26 +262,25 @@ class Cache:
     def _write_back(self, slots: torch.Tensor) -> int:
         """Copies the dirty rows among cache ``slots`` to their backing rows, with their write
         steps; returns how many."""
-        t, bx = self.table, self.backing
+        bx = self.backing
         d = slots[self.dirty[slots]]
         if d.numel():
             home = self.home[d].to(bx.keys.device)
-            t.store.store_back(d, home)
+            self.store.store_back(d, home)
             bx.written[home] = self.index.written[d].to(bx.written.device)
             self.dirty[d] = False
-            t._counters["write_backs"] += d.numel()
+            self.state.counters["write_backs"] += d.numel()
         return d.numel()
 
     def mark_written(self, rids: torch.Tensor) -> None:
         """Rows ``rids`` (>= 0) were written at the table's step: cached ones become dirty."""
-        t = self.table
-        step, stamp = t.step, t.config.score == ScorePolicy.STEP
+        step, stamp = self.state.step, self.state.score == ScorePolicy.STEP
         self.unflushed = True
-        cached = rids < t.layout.hbm_rows
+        cached = rids < self.row_offset
         c = rids[cached]
         self.dirty[c] = True
         self.index.written[c] = step
-        b = (rids[~cached] - t.row_offset).to(self.backing.keys.device)
+        b = (rids[~cached] - self.row_offset).to(self.backing.keys.device)
         self.backing.written[b] = step
         if stamp:
             self.index.scores[c] = step
@@ -263,25 +292,26 @@ class Cache:
         miss = torch.nonzero(rid < 0).flatten()
         if miss.numel():
             bs = self.backing.find(keys[miss].to(self.backing.keys.device)).to(keys.device)
-            rid[miss] = torch.where(bs >= 0, bs + self.table.row_offset, -1)
+            rid[miss] = torch.where(bs >= 0, bs + self.row_offset, -1)
         return rid
 
     # ------------------------------------------------------------------ maintenance
 
     def prefetch(self, keys: torch.Tensor) -> int:
         """Fetches the rows of ``keys`` that the backing store holds into the cache."""
-        t, cx, bx = self.table, self.index, self.backing
-        cs = cx.backend.find(cx, keys, t._no_scores, self.policy, t.step, False, True)
+        cx, bx, st = self.index, self.backing, self.state
+        none = st.no_scores
+        cs = cx.backend.find(cx, keys, none, self.policy, st.step, False, True)
         miss = torch.nonzero(cs < 0).flatten()
         fetched = 0
         if miss.numel():
             mkeys = keys[miss].to(bx.keys.device)
-            bs = bx.backend.find(bx, mkeys, t._no_scores.to(mkeys.device), t._policy, t.step,
-                                 False, True)
+            bs = bx.backend.find(bx, mkeys, none.to(mkeys.device), st.policy, st.step, False,
+                                 True)
             existed = bs >= 0
             base = torch.where(existed, bx.scores[bs.clamp(min=0)], 0)
-            placed = self._fetch(mkeys, bs, existed, base, t._no_scores[:0], lookup=False)
-            cs[miss] = placed.to(t.device)
+            placed = self._fetch(mkeys, bs, existed, base, none[:0], lookup=False)
+            cs[miss] = placed.to(self.device)
             ok = placed >= 0
             bx.backend.unpin(bx, bs)
             fetched_slots = torch.unique(bs[ok])
@@ -289,8 +319,23 @@ class Cache:
             fetched = fetched_slots.numel()
             self.unflushed = self.unflushed or fetched > 0
         cx.backend.unpin(cx, cs)
-        t._counters["prefetched"] += fetched
+        st.counters["prefetched"] += fetched
         return fetched
+
+    def place(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``Resolver.place``: loaded rows go to the backing store, not through the cache (the
+        cached copies of ``keys`` are written back and dropped first)."""
+        self.drop(keys)
+        self.unflushed = True
+        return super().place(keys)
+
+    def erase(self, keys: torch.Tensor) -> torch.Tensor:
+        """``Resolver.erase``: the cached copies of ``keys`` are dropped unwritten first."""
+        self.drop(keys, write_back=False)
+        gone = super().erase(keys)
+        if bool((gone >= 0).any()):
+            self.unflushed = True
+        return gone
 
     def drop(self, keys: torch.Tensor, *, write_back: bool = True) -> None:
         """Removes ``keys`` from the cache (writing dirty rows back unless ``write_back`` is
@@ -310,14 +355,14 @@ class Cache:
         self.dirty[slots] = False
         self.home[slots] = -1
         cx.backend.erase(cx, cx.keys[slots].clone())
-        self.table._epoch += 1
+        self.state.epoch += 1
         self.unflushed = True
 
     def flush(self) -> int:
         """Writes every dirty cached row and every cached score back; syncs ddr files."""
         if not self.unflushed:
             return 0
-        t, cx, bx = self.table, self.index, self.backing
+        cx, bx = self.index, self.backing
         occ = cx.occupied(0, cx.num_slots)
         written = self._write_back(occ)
         home = self.home[occ].to(bx.keys.device)
@@ -329,19 +374,26 @@ class Cache:
 
     def header(self) -> dict:
         """What a reopened backing store must match, and the table's counters to restore."""
-        t = self.table
-        return {"format": 1, "table": t.name, "dim": t.dim,
-                "optimizer": type(t.config.optimizer).__name__,
-                "state_width": t.optimizer.state_width, "num_buckets": t.layout.num_buckets,
-                "bucket_width": t.layout.width, "step": t.step, "optimizer_step": t.optimizer.step}
+        cfg, lay = self.config, self.layout
+        return {"format": 1, "table": cfg.name, "dim": cfg.dim,
+                "optimizer": type(cfg.optimizer).__name__,
+                "state_width": self.optimizer.state_width, "num_buckets": lay.num_buckets,
+                "bucket_width": lay.width, "step": self.state.step,
+                "optimizer_step": self.optimizer.step}
 
-    def reopened(self, header: dict) -> None:
+    def store_header(self) -> dict:
+        return self.header()
+
+    def reopen_check(self) -> Callable[[dict], None]:
+        return self.check_reopened
+
+    def check_reopened(self, header: dict) -> None:
         """Checks a reopened backing store's header against this table and restores its steps."""
         want = {k: v for k, v in self.header().items() if k not in ("step", "optimizer_step")}
         found = {k: header.get(k) for k in want}
         if found != want:
-            raise ConfigError(f"table {self.table.name!r}: the backing store in "
+            raise ConfigError(f"table {self.config.name!r}: the backing store in "
                               f"{str(self.files.dir)!r} was written by another configuration: "
                               f"expected {want}, found {found}.")
-        self.table.step = int(header["step"])
-        self.table.optimizer.step = int(header["optimizer_step"])
+        self.state.step = int(header["step"])
+        self.optimizer.step = int(header["optimizer_step"])

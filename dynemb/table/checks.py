@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import functools
-import logging
-from collections import Counter
-from typing import NoReturn
 
 import torch
 
 from dynemb.batch import all_finite, check_keys
-from dynemb.config import OnFull, ScorePolicy
-from dynemb.errors import CapacityError, ConfigError, DynembError, InputError
-
-logger = logging.getLogger("dynemb.table.table")
+from dynemb.config import ScorePolicy
+from dynemb.errors import ConfigError, DynembError, InputError
 
 
 def writes(verb):
@@ -37,7 +32,8 @@ def writes(verb):
 
 
 class TableChecks:
-    """Input validation and the ``on_full`` policy of a :class:`~dynemb.DynamicTable`."""
+    """Input validation of a :class:`~dynemb.DynamicTable` (the ``on_full`` policy is the row
+    life cycle's: ``dynemb.table.lifecycle``)."""
 
     _writing = 0  # verbs that may change the table running now, or interrupted (see ``writes``)
 
@@ -46,38 +42,6 @@ class TableChecks:
         """Whether a call that changes the table is running or was interrupted part way (its
         rows may be half written: ``close()`` then leaves the ddr store unmarked, torn)."""
         return self._writing > 0
-
-    def _refuse(self, failed: int, saved: tuple[int, Counter]) -> NoReturn:
-        """Raises for an atomic call (``on_full`` RAISE) whose insert kernel could not place
-        ``failed`` occurrences and changed nothing: the caller has undone its touches and pins;
-        this restores the step and counters ``saved`` before the call, then counts the failure."""
-        self.step, self._counters = saved
-        self._on_full(failed)
-        raise AssertionError("unreachable: on_full RAISE raises")  # pragma: no cover
-
-    def _on_full(self, failed: int) -> None:
-        """Counts ``failed`` occurrences that got no row; raises (RAISE: the call was atomic and
-        changed nothing), warns (WARN) or stays silent (COUNT)."""
-        self._counters["failed_inserts"] += failed
-        if self.config.on_full == OnFull.COUNT:
-            return
-        if self.config.score == ScorePolicy.NO_EVICTION:
-            why = "its bucket is full and score=NO_EVICTION forbids eviction"
-        elif self.config.score == ScorePolicy.CUSTOM:
-            why = "its bucket is full of rows used by this call or with higher custom scores"
-        else:
-            why = "its bucket is full of rows used by this same call (the table is too small for the batch)"
-        held = self.held_rows()
-        if held and self.config.score != ScorePolicy.NO_EVICTION:
-            why += (f", or held by lookups in flight ({held} rows are held from lookup(hold=True) "
-                    "until apply_gradients or release: fewer batches in flight need fewer rows)")
-        msg = (f"table {self.name!r}: {failed} key occurrence(s) could not get a row: {why} "
-               f"(size {self.size()} of capacity {self.capacity()}). Raise capacity, choose an "
-               "evicting ScorePolicy, or set on_full=WARN/COUNT to give such keys the eval "
-               "initializer and count them in stats().failed_inserts.")
-        if self.config.on_full == OnFull.RAISE:
-            raise CapacityError(msg + " The call changed nothing in the table.")
-        logger.warning(msg)
 
     def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
         if self.files is not None and self.files.closed:

@@ -1,5 +1,6 @@
-"""Holds: a lookup's rows kept in place until its gradients are applied (a mixin of
-``DynamicTable``).
+"""Holds: a lookup's rows kept in place until its gradients are applied (a mixin of both
+resolvers, ``dynemb.table.resolver`` and ``dynemb.table.caching``: the one place holds are
+taken, counted and released).
 
 A lookup made with ``hold=True`` holds every row it resolved: the table's index slot, or for a
 CACHING table the cache slot of a cached row or the backing slot of a row served from the
@@ -17,6 +18,11 @@ What a user asks for explicitly still happens to a held row (``erase``, ``load_r
 key, a checkpoint load): the held lookup then finds its rows again by key when it applies, as
 any lookup does after an eviction (``stats().stale_updates`` counts rows that are gone). The
 hold stays on the slot until released, whatever key the slot holds meanwhile.
+
+A resolver names the indexes whose slots its lookups hold (``hold_indexes``: the single index,
+or the cache's and then the backing store's) and splits a lookup's row ids into slots of each
+(``hold_parts``); :class:`Holding` does the rest, and the table's ``lookup(hold=True)``,
+``release`` and ``held_rows`` call it.
 """
 
 from __future__ import annotations
@@ -28,46 +34,43 @@ from dynemb.table.index import HashIndex
 from dynemb.table.stats import Holds, Lookup
 
 
-class TableHolds:
-    """``release``, ``held_rows`` and the hold bookkeeping of a :class:`~dynemb.DynamicTable`."""
+class Holding:
+    """Taking, counting and releasing holds, over the indexes a resolver names.
 
-    def release(self, lk: Lookup) -> None:
-        """Drops the holds of ``lk`` (a lookup of this table made with ``hold=True``): its rows
-        become evictable again, unless another lookup in flight holds them too. A no-op for a
-        lookup that holds nothing (never held, or released already, e.g. by
-        ``apply_gradients``)."""
+    A resolver sets ``hold_indexes`` and implements :meth:`hold_parts`.
+    """
+
+    hold_indexes: tuple[HashIndex, ...]
+    """The indexes whose slots a lookup holds (CACHING: the cache's, then the backing
+    store's)."""
+
+    def hold_parts(self, rids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The slots of each of ``hold_indexes`` that hold the global row ids ``rids`` (all >= 0,
+        distinct)."""
+        raise NotImplementedError
+
+    def hold(self, lk: Lookup) -> None:
+        """Holds every row ``lk`` resolved (its ``unique_slots`` >= 0, which are distinct)."""
+        parts = self.hold_parts(lk.unique_slots[lk.unique_slots >= 0])
+        for ix, slots in zip(self.hold_indexes, parts):
+            ix.hold(slots)
+        lk.held, lk.holds = True, Holds(self, parts)
+
+    def release(self, lk: Lookup, table_name: str) -> None:
+        """Drops the holds of ``lk`` (see ``DynamicTable.release``); ``table_name`` names the
+        table in the error for a lookup held by another table."""
         rec = lk.holds
         if rec is None or not rec.live:
             lk.held, lk.holds = False, None
             return
         if rec.owner is not self:
-            raise InputError(f"table {self.name!r}: release() got a lookup held by another "
+            raise InputError(f"table {table_name!r}: release() got a lookup held by another "
                              "table; release a lookup on the table that looked it up.")
-        for ix, slots in zip(self._hold_indexes(), rec.slots):
+        for ix, slots in zip(self.hold_indexes, rec.slots):
             ix.release(slots)
         rec.live = False
         lk.held, lk.holds = False, None
 
     def held_rows(self) -> int:
-        """Rows (slots) held right now by lookups in flight; 0 once every held lookup has been
-        released or applied."""
-        return sum(ix.held for ix in self._hold_indexes())
-
-    def _hold_indexes(self) -> tuple[HashIndex, ...]:
-        """The indexes whose slots a lookup holds (CACHING: the cache's, then the backing
-        store's)."""
-        if self.cache is None:
-            return (self.index,)
-        return (self.cache.index, self.index)
-
-    def _hold(self, lk: Lookup) -> None:
-        """Holds every row ``lk`` resolved (its ``unique_slots`` >= 0, which are distinct)."""
-        rids = lk.unique_slots[lk.unique_slots >= 0]
-        if self.cache is None:  # a single index: the row id is the slot
-            parts: tuple[torch.Tensor, ...] = (rids,)
-        else:
-            cached = rids < self.row_offset
-            parts = (rids[cached], (rids[~cached] - self.row_offset).to(self.index.keys.device))
-        for ix, slots in zip(self._hold_indexes(), parts):
-            ix.hold(slots)
-        lk.held, lk.holds = True, Holds(self, parts)
+        """Rows (slots) held right now by lookups in flight."""
+        return sum(ix.held for ix in self.hold_indexes)

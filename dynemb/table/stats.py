@@ -34,9 +34,9 @@ class Lookup:
 
 
 class Holds:
-    """The slots a held lookup holds, per index of its table (``DynamicTable._hold_indexes``
-    order). ``live`` turns False once released, so a copy of the lookup cannot release twice
-    (copies, deep ones included, share the record)."""
+    """The slots a held lookup holds, per index of its table's resolver (``hold_indexes``
+    order; ``owner`` is that resolver). ``live`` turns False once released, so a copy of the
+    lookup cannot release twice (copies, deep ones included, share the record)."""
 
     def __init__(self, owner: object, slots: tuple[torch.Tensor, ...]) -> None:
         self.owner = owner

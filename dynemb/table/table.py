@@ -1,31 +1,37 @@
-"""DynamicTable: one rank's dynamic embedding table (hash index + rows + admission + init)."""
+"""DynamicTable: one rank's dynamic embedding table (hash index + rows + admission + init).
+
+The table owns its configuration, row store and optimizer, and delegates to three objects:
+
+* :class:`~dynemb.table.state.TableState`: what every part shares (step, eviction epoch,
+  counters, eviction log, score policy);
+* :class:`~dynemb.table.lifecycle.RowLifecycle`: admission, initialisation, eviction records
+  and the ``on_full`` decision;
+* a resolver that maps keys to rows: :class:`~dynemb.table.resolver.SingleIndexResolver`
+  (HBM_ONLY, HYBRID) or :class:`~dynemb.table.caching.CachedResolver` (CACHING), which also
+  holds rows for lookups in flight (``dynemb.table.holds``).
+"""
 
 from __future__ import annotations
-
-import zlib
-from collections import Counter
 
 import torch
 
 from dynemb.batch import all_finite
-from dynemb.config import Initializer, NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
+from dynemb.config import NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
-from dynemb.kernels.hashing import GOLDEN, home_bucket, index_hash, to_signed
-from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
+from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
-from dynemb.table.caching import Cache
+from dynemb.table.caching import CachedResolver
 from dynemb.table.checks import TableChecks, writes
-from dynemb.table.holds import TableHolds
 from dynemb.table.index import HashIndex
+from dynemb.table.lifecycle import RowLifecycle
 from dynemb.table.memory import storage_layout
 from dynemb.table.reports import TableReports
-from dynemb.table.stats import EvictionLog, Evicted, ExportBatch, FindResult, InsertResult, Lookup
+from dynemb.table.resolver import Resolver, SingleIndexResolver
+from dynemb.table.state import TableState
+from dynemb.table.stats import Evicted, ExportBatch, FindResult, InsertResult, Lookup
 from dynemb.table.storage import DdrFiles, RowStore, ddr_file_bytes
-
-POLICY_CODES = {ScorePolicy.LRU: P_LRU, ScorePolicy.LFU: P_LFU, ScorePolicy.STEP: P_STEP,
-                ScorePolicy.CUSTOM: P_CUSTOM, ScorePolicy.NO_EVICTION: P_NO_EVICTION}
 
 
 def canonical_device(device: torch.device | str | None) -> torch.device:
@@ -33,11 +39,7 @@ def canonical_device(device: torch.device | str | None) -> torch.device:
     return torch.empty(0, device=device or "cpu").device
 
 
-def _mix(init: Initializer, name: str) -> int:
-    return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
-
-
-class DynamicTable(TableChecks, TableReports, TableHolds):
+class DynamicTable(TableChecks, TableReports):
     """Rows keyed by raw int64 ids, created on first sight, evicted by score when full.
 
     Storage (``config.storage``): HBM_ONLY keeps every row on ``device``; HYBRID splits the rows
@@ -50,6 +52,15 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
     ``stats().failed_inserts`` counts it), and input errors are raised before anything changes;
     with ``on_full`` WARN/COUNT the call completes and returns what it evicted. Gradient rows
     with NaN or inf follow ``config.nonfinite`` (see :meth:`apply_gradients`).
+
+    Attributes:
+        index: the index of every row of the table (CACHING: the backing store's).
+        cache: a CACHING table's cache (its :class:`~dynemb.table.caching.CachedResolver`:
+            ``cache.index`` is the cache index), None in the other modes; ``cache is not None``
+            tells a CACHING table.
+        resolver: how keys map to rows (see the module docstring).
+        state: the step, eviction epoch, counters and eviction log (``log``).
+        life: the row life cycle (admission, initialisation, eviction records, ``on_full``).
 
     Args:
         config: the table's configuration.
@@ -66,13 +77,11 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         self.device = canonical_device(device)
         self.backend = backend_for(self.device, backend)
         self.optimizer = RowOptimizer(config.optimizer, config.dim)
-        self._policy = POLICY_CODES[config.score]
         st = config.storage
         st.require_planned(config.name)
-        self.layout = storage_layout(config.capacity, config.bucket_capacity, st.mode,
-                                     st.cache_load_factor)
-        self.mode = self.layout.mode
-        lay = self.layout
+        self.layout = lay = storage_layout(config.capacity, config.bucket_capacity, st.mode,
+                                           st.cache_load_factor)
+        self.mode = lay.mode
         files = None if st.ddr_path is None else DdrFiles(
             st.ddr_path, config.name, reopen=st.reopen,
             sizes=ddr_file_bytes(lay, config.dim + self.optimizer.state_width))
@@ -80,32 +89,50 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         self.store = RowStore(lay.hbm_rows, lay.ddr_rows, config.dim,
                               config.dim + self.optimizer.state_width, self.device, self.backend,
                               files)
-        self.cache: Cache | None = None
-        if self.mode == StorageMode.CACHING:
-            backing_device = torch.device("cpu")
-            self.index = HashIndex(lay.num_buckets, lay.width, backing_device,
-                                   self.store.ddr_backend, alloc=files and files.alloc)
-            self.cache = Cache(self, files)
-        else:
-            self.index = HashIndex(lay.num_buckets, lay.width, self.device, self.backend,
-                                   split=lay.split)
+        self.state = TableState(config.score, self.device)
+        self.log = self.state.log
         self.admission = (None if config.admission is None
                           else AdmissionFilter(config.admission, self.device, self.backend))
-        self.step = 0
-        self._init_mix = _mix(config.initializer, config.name)
-        self._eval_mix = _mix(config.eval_initializer, config.name)
-        self._no_scores = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._epoch = 0
-        self._counters: Counter[str] = Counter()
-        self.log = EvictionLog(self._no_scores)
+        self.life = RowLifecycle(config, self.state, self.store, self.admission, self.optimizer,
+                                 self.device)
+        self.resolver = self._resolver(files)
+        self.index = self.resolver.table_index
+        self.cache: CachedResolver | None = (self.resolver
+                                             if isinstance(self.resolver, CachedResolver) else None)
         # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
         # (set it each step, e.g. to a timestamp); None gives new keys the table step.
         self.lookup_score: int | None = None
         # dynemb.checkpoint's record of this table's saves and loads (training step -> table
         # step), kept on the table it describes; None until the first save or load.
         self.checkpoint_marks: object | None = None
+        # A CACHING table sits in a reference cycle (as it always has): dropping its last
+        # reference leaves it to the garbage collector instead of freeing it at once, so one
+        # still uncollected at interpreter exit is flushed and closed by the exit hook, and one
+        # collected earlier releases its lock unmarked (docs/storage.md, "Closed at exit").
+        self._lifetime = self if self.cache is not None else None
         if files is not None:  # checks a reopened store, then marks it open (not clean)
-            files.opened(self, check=self.cache.reopened if self.cache is not None else None)
+            files.opened(self, check=self.resolver.reopen_check())
+
+    def _resolver(self, files: DdrFiles | None) -> Resolver:
+        """The index of every row and the resolver of this table's storage mode (the one place
+        the mode decides which)."""
+        cfg, lay = self.config, self.layout
+        if self.mode == StorageMode.CACHING:  # the backing store's index lives in host memory
+            backing = HashIndex(lay.num_buckets, lay.width, torch.device("cpu"),
+                                self.store.ddr_backend, alloc=files and files.alloc)
+            return CachedResolver(cfg, lay, self.state, self.life, self.store, backing,
+                                  self.optimizer, files)
+        index = HashIndex(lay.num_buckets, lay.width, self.device, self.backend, split=lay.split)
+        return SingleIndexResolver(cfg, lay, self.state, self.life, self.store, index)
+
+    @property
+    def step(self) -> int:
+        """The table step (``stats().step``): the clock of scores and write steps."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
     @property
     def rows(self) -> torch.Tensor:
@@ -115,7 +142,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
     @property
     def row_offset(self) -> int:
         """Global row id of slot 0 of ``index`` (the backing store's rows follow the cache's)."""
-        return self.layout.hbm_rows if self.cache is not None else 0
+        return self.resolver.row_offset
 
     # ------------------------------------------------------------------ public verbs
 
@@ -132,7 +159,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
                 raise InputError(f"table {self.name!r}: find(out=) must be a contiguous float32 "
                                  f"tensor on {self.device}, found {out.dtype} on {out.device}.")
         rids = self.locate(keys)
-        return FindResult(values=self._values(keys, rids, out), found=rids >= 0)
+        return FindResult(values=self.life.values(keys, rids, out), found=rids >= 0)
 
     @writes
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
@@ -145,7 +172,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         keys = self._keys(keys, "find_or_insert")
         lk = self._resolve(keys, touch=True, insert=True, admit=False,
                            custom=self._scores(scores, keys, "find_or_insert"))
-        values = self._values(keys, lk.unique_slots[lk.inverse])
+        values = self.life.values(keys, lk.unique_slots[lk.inverse])
         return InsertResult(values=values, inserted=lk.inserted, evicted=lk.evicted)
 
     @writes
@@ -167,7 +194,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         self.store.write(rids[ok], values.detach()[ok].to(self.device))
         if optimizer_state is not None:
             self.store.write(rids[ok], optimizer_state.detach()[ok].to(self.device), self.dim)
-        self._mark_written(rids[ok])
+        self.resolver.mark_written(rids[ok])
         return lk.evicted
 
     @writes
@@ -181,21 +208,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         keys = self._keys(keys, "load_rows")
         self._check_rows(keys, embeddings, optimizer_state, "load_rows", "embeddings")
         self._check_shape("scores", scores, (keys.numel(),))
-        if self.cache is not None:
-            self.cache.drop(keys)  # loaded rows go to the backing store, not through the cache
-            self.cache.unflushed = True
-        ix, be = self.index, self.index.backend
-        bkeys = keys.to(ix.keys.device)
-        none = self._no_scores.to(bkeys.device)
-        slots = be.find(ix, bkeys, none, P_NO_EVICTION, self.step, False, True)
-        miss = torch.nonzero(slots < 0).flatten()
-        failed = 0
-        if miss.numel():  # never evicts, all or nothing: a key without a free slot fails
-            new, _, _ = be.insert(ix, bkeys[miss], none, P_NO_EVICTION, self.step, True)
-            failed = int((new < 0).sum())
-            if not failed:
-                slots[miss] = new
-        be.unpin(ix, slots)
+        slots, failed = self.resolver.place(keys)
         if failed:
             raise CapacityError(
                 f"table {self.name!r}: load_rows cannot place {failed} of {keys.numel()} rows "
@@ -204,6 +217,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         rids = slots.to(self.device) + self.row_offset
         self.store.write(rids, embeddings.detach().to(self.device, torch.float32))
         self.store.write(rids, optimizer_state.detach().to(self.device, torch.float32), self.dim)
+        ix = self.index
         ix.scores[slots] = scores.to(ix.scores)
         ix.written[slots] = self.step
 
@@ -211,17 +225,13 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
     def erase(self, keys: torch.Tensor) -> int:
         """Removes ``keys`` that are present; returns how many were."""
         keys = torch.unique(self._keys(keys, "erase"))
-        if self.cache is not None:
-            self.cache.drop(keys, write_back=False)
-        gone = self.index.backend.erase(self.index, keys.to(self.index.keys.device))
+        gone = self.resolver.erase(keys)
         n = int((gone >= 0).sum())
         if n:
-            self.step += 1  # a write: exports since the previous step see it
-            self._epoch += 1
-            self._counters["erased"] += n
-            self.log.add(self.step, keys[(gone >= 0).to(keys.device)])
-            if self.cache is not None:
-                self.cache.unflushed = True
+            st = self.state
+            st.step += 1  # a write: exports since the previous step see it
+            st.counters["erased"] += n
+            st.evicted(keys[(gone >= 0).to(keys.device)])
         return n
 
     @writes
@@ -235,8 +245,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         if since_step is not None and not isinstance(since_step, int):
             raise InputError(f"table {self.name!r}: since_step must be an int or None, "
                              f"found {since_step!r}.")
-        if self.cache is not None:
-            self.flush()
+        self.resolver.flush()  # a CACHING table's rows go to the backing store first
         ix = self.index
         slots = ix.occupied(min(start, self.capacity()), min(start + count, self.capacity()))
         if since_step is not None:
@@ -251,7 +260,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         """CACHING: writes every dirty cached row (and every cached row's score) back to the
         backing store, and with ``ddr_path`` syncs its files to disk; returns the rows written.
         Other modes hold no copies: 0."""
-        return 0 if self.cache is None else self.cache.flush()
+        return self.resolver.flush()
 
     @writes
     def prefetch(self, keys: torch.Tensor) -> int:
@@ -259,7 +268,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         ahead of their lookup (new keys are created by the lookup itself); returns how many
         rows it fetched. Changes no row and no training result. Other modes: 0."""
         keys = self._keys(keys, "prefetch")
-        return 0 if self.cache is None else self.cache.prefetch(keys)
+        return self.resolver.prefetch(keys)
 
     def size(self) -> int:
         return self.index.size()
@@ -309,7 +318,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
             return
         if not files.replaced():  # (files removed under the table: close() only warns)
             self.flush()
-        files.close(None if self.cache is None else self.cache.header())
+        files.close(self.resolver.store_header())
 
     # ------------------------------------------------------------------ module path
 
@@ -329,12 +338,12 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         lk = self._resolve(keys, touch=train, insert=train, admit=True, custom=custom,
                            keep_evicted=keep_evicted)
         if hold:
-            self._hold(lk)
+            self.resolver.hold(lk)
         return lk
 
     def embeddings(self, lk: Lookup) -> torch.Tensor:
         """(U, dim) float32: the row of each unique entry, or its eval-initializer row."""
-        return self._values(lk.unique_keys, self.current_slots(lk))
+        return self.life.values(lk.unique_keys, self.current_slots(lk))
 
     def sources(self, lk: Lookup) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each entry's embedding is, for the pooling kernels: ``src`` (U,) int64 is the
@@ -347,7 +356,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         extra = torch.empty(away.numel(), self.dim, dtype=torch.float32, device=self.device)
         src = rids
         if away.numel():
-            self._values(lk.unique_keys[away], rids[away], extra)
+            self.life.values(lk.unique_keys[away], rids[away], extra)
             src = rids.clone()
             src[away] = -1 - torch.arange(away.numel(), device=self.device)
         return src, extra
@@ -355,11 +364,12 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
     def current_slots(self, lk: Lookup) -> torch.Tensor:
         """The lookup's row ids, located again by key if rows were evicted, moved or erased
         since (a key that lost its row gets -1 and is counted in ``stats().stale_updates``)."""
-        if lk.epoch == self._epoch:
+        st = self.state
+        if lk.epoch == st.epoch:
             return lk.unique_slots
         now = torch.where(lk.unique_slots >= 0, self.locate(lk.unique_keys), -1)
-        self._counters["stale_updates"] += int(((lk.unique_slots >= 0) & (now < 0)).sum())
-        lk.unique_slots, lk.epoch = now, self._epoch
+        st.counters["stale_updates"] += int(((lk.unique_slots >= 0) & (now < 0)).sum())
+        lk.unique_slots, lk.epoch = now, st.epoch
         return now
 
     @writes
@@ -383,7 +393,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
         grads = grads.to(torch.float32).contiguous()
         rids, bad = self.gradient_rows(lk, grads)
         if bad:
-            self._counters["nonfinite_grads"] += bad
+            self.state.counters["nonfinite_grads"] += bad
             if self.config.nonfinite == NonFinite.RAISE:
                 raise InputError(
                     f"table {self.name!r}: {bad} gradient row(s) hold NaN or inf at optimizer "
@@ -392,7 +402,7 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
                     "non-finite (a lower learning rate often helps), or choose nonfinite='skip' "
                     "to skip such rows and count them.")
         self.optimizer.apply(self.store.parts(rids), grads, clip=clip)
-        self._mark_written(rids[rids >= 0])
+        self.resolver.mark_written(rids[rids >= 0])
 
     def gradient_rows(self, lk: Lookup, grads: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(row ids (U,) that an update with ``grads`` (U, dim) float32 writes, the number of
@@ -409,9 +419,21 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         """Global row id of each key (N,) or -1, touching nothing."""
-        if self.cache is not None:
-            return self.cache.locate(keys)
-        return self.index.find(keys)
+        return self.resolver.locate(keys)
+
+    # ------------------------------------------------------------------ holds
+
+    def release(self, lk: Lookup) -> None:
+        """Drops the holds of ``lk`` (a lookup of this table made with ``hold=True``): its rows
+        become evictable again, unless another lookup in flight holds them too. A no-op for a
+        lookup that holds nothing (never held, or released already, e.g. by
+        ``apply_gradients``). See ``dynemb.table.holds``."""
+        self.resolver.release(lk, self.name)
+
+    def held_rows(self) -> int:
+        """Rows (slots) held right now by lookups in flight; 0 once every held lookup has been
+        released or applied."""
+        return self.resolver.held_rows()
 
     # ------------------------------------------------------------------ internals
 
@@ -421,111 +443,15 @@ class DynamicTable(TableChecks, TableReports, TableHolds):
 
         With ``on_full`` RAISE an inserting call is atomic: scores touched by the find pass are
         journaled, the insert kernel places every new key or changes nothing, and a failure
-        undoes the touches, pins, step and counters before raising (:meth:`_refuse`). Nothing
-        else changes before the insert kernel has succeeded (admission only judges until then).
+        undoes the touches, pins, step and counters before raising
+        (``RowLifecycle.refuse``). Nothing else changes before the insert kernel has succeeded
+        (admission only judges until then).
         """
-        custom = self._no_scores if custom is None else custom
+        st = self.state
+        custom = st.no_scores if custom is None else custom
         atomic = insert and self.config.on_full == OnFull.RAISE
-        saved = (self.step, self._counters.copy()) if atomic else None
+        saved = st.snapshot() if atomic else None
         if touch:
-            self.step += 1
-            self._counters["lookups"] += keys.numel()
-        if self.cache is not None:
-            return self.cache.resolve(keys, touch=touch, insert=insert, admit=admit,
-                                      custom=custom, keep_evicted=keep_evicted, saved=saved)
-        be, ix = self.backend, self.index
-        prev = torch.empty_like(keys) if atomic and touch else None
-        slots = be.find(ix, keys, custom, self._policy, self.step, touch, True, prev)
-        if touch:
-            self._count_tiers(keys, slots)
-        inserted, evicted, failed = None, self._evicted_none(), 0
-        if insert:
-            inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
-            miss = torch.nonzero(slots < 0).flatten()
-            new = self._admitted(keys, miss, admit)
-            if new.numel():
-                mkeys = keys[new]
-                mcustom = custom[new] if custom.numel() else custom
-                new_slots, fresh, ev = be.insert(ix, mkeys, mcustom, self._policy, self.step,
-                                                 atomic)
-                failed = int((new_slots < 0).sum())
-                if failed and atomic:
-                    if prev is not None:
-                        be.restore_scores(ix, slots, prev)
-                    be.unpin(ix, slots)
-                    self._refuse(failed, saved)
-                evicted = self._take_evicted(*ev, with_rows=keep_evicted)
-                self._init_rows(ix, new_slots[fresh], mkeys[fresh])
-                slots[new] = new_slots
-                inserted[new] = fresh
-            self._record_admission(keys, miss, slots, admit)
-        inverse, unique_slots, unique_pos = be.finish(ix, slots)
-        if failed:
-            self._on_full(failed)
-        return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
-                      inserted=inserted, evicted=evicted, epoch=self._epoch)
-
-    def _admitted(self, keys: torch.Tensor, miss: torch.Tensor, admit: bool) -> torch.Tensor:
-        """The positions of ``miss`` (occurrences of keys without a row) that admission lets in
-        (all of them when ``admit`` is False or the table has no admission). Changes no counter
-        of the admission filter: :meth:`_record_admission` does, once the call has succeeded."""
-        if admit and self.admission is not None and miss.numel():
-            ok = self.admission.judge(keys[miss].to(self.device)).to(miss.device)
-            self._counters["admission_rejected"] += int((~ok).sum())
-            miss = miss[ok]
-        return miss
-
-    def _record_admission(self, keys: torch.Tensor, miss: torch.Tensor, slots: torch.Tensor,
-                          admit: bool) -> None:
-        """After a call: the admission filter forgets the keys among ``keys[miss]`` that got a row
-        (``slots`` >= 0) and counts the occurrences of those that did not."""
-        if admit and self.admission is not None and miss.numel():
-            self.admission.record(keys[miss].to(self.device), (slots[miss] >= 0).to(self.device))
-
-    def _init_rows(self, ix: HashIndex, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the table's index)."""
-        rids = slots.to(self.device)
-        self.store.init(rids + self.row_offset if self.row_offset else rids, keys,
-                        self.optimizer.initial_state,
-                        self.config.initializer, self._init_mix)
-        ix.written[slots] = self.step
-
-    def _values(self, keys: torch.Tensor, rids: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
-        self.store.gather(rids, self.dim, out)
-        missing = torch.nonzero(rids < 0).flatten()
-        if missing.numel():
-            self.backend.init_rows(out, missing, keys[missing], self.dim, 0.0,
-                                   self.config.eval_initializer, self._eval_mix)
-        return out
-
-    def _take_evicted(self, keys, slots, scores, *, with_rows: bool) -> Evicted:
-        """Records rows the table's index evicted (before their slots are reused)."""
-        if keys.numel() == 0:
-            return self._evicted_none()
-        self._epoch += 1
-        self.log.add(self.step, keys)
-        keys, scores = keys.to(self.device), scores.to(self.device)
-        if not with_rows:
-            return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
-        rows = self.store.read(slots.to(self.device) + self.row_offset)
-        return Evicted(keys=keys, embeddings=rows[:, :self.dim],
-                       optimizer_state=rows[:, self.dim:], scores=scores)
-
-    def _evicted_none(self) -> Evicted:
-        empty = self._no_scores
-        rows = self.rows[:0]
-        return Evicted(keys=empty, embeddings=rows[:, :self.dim],
-                       optimizer_state=rows[:, self.dim:], scores=empty)
-
-    def _mark_written(self, rids: torch.Tensor) -> None:
-        """Rows ``rids`` (all >= 0) were written at this step: their write step, a STEP score,
-        and a cached row's dirty flag."""
-        if self.cache is not None:
-            self.cache.mark_written(rids)
-            return
-        self.index.written[rids] = self.step
-        if self.config.score == ScorePolicy.STEP:
-            self.index.scores[rids] = self.step
+            st.touch(keys.numel())
+        return self.resolver.resolve(keys, touch=touch, insert=insert, admit=admit,
+                                     custom=custom, keep_evicted=keep_evicted, saved=saved)
