@@ -15,25 +15,35 @@ import torch
 from dynemb.errors import ConfigError
 from dynemb.models.dlrm import DLRM
 from dynemb.table.memory import table_memory
-from dynemb.train.parallel import Env, all_gather_cat, all_max, all_sum
+from dynemb.train.parallel import Env, all_gather_cat, all_sum
 from dynemb.train.planning import RunPlan
 
-_COUNTERS = ("size", "capacity", "lookups", "hits", "inserted", "evicted", "failed_inserts",
-             "admission_rejected", "forgotten_sightings", "nonfinite_grads")
+_COUNTERS = ("size", "capacity", "lookups", "hits", "hbm_hits", "inserted", "evicted",
+             "failed_inserts", "admission_rejected", "forgotten_sightings", "nonfinite_grads")
 
 
-def table_report(model: DLRM, env: Env) -> dict[str, dict[str, float]]:
-    """Per table, over all ranks: rows held (``rows``), capacity, lookups, hit rate, inserts,
+def table_report(model: DLRM, env: Env) -> dict[str, dict]:
+    """Per table, in total over the ranks and per rank (``per_rank``: one value per rank for
+    each count): rows held (``rows``), capacity, lookups, ids that had a row (``hits``; the hit
+    rate is their share), lookups served from hbm (``hbm_hits``; the hbm hit rate), inserts,
     evictions, failed inserts, rejected admissions, admission sightings a full counter table
-    forgot, and gradient rows that were not finite (collective under torchrun)."""
+    forgot, gradient rows that were not finite, and the bytes the table holds in each tier
+    (``hbm_bytes``, ``ddr_bytes``). Collective under torchrun."""
     tables = model.embeddings.tables
-    counts = torch.tensor([[getattr(t.stats(), c) for c in _COUNTERS] for t in tables.values()],
-                          dtype=torch.float64, device=env.device)
-    counts = all_sum(env, counts).cpu()
+    own = torch.tensor([[*(getattr(t.stats(), c) for c in _COUNTERS),
+                         t.memory_usage().hbm_bytes, t.memory_usage().ddr_bytes]
+                        for t in tables.values()], dtype=torch.float64)
+    every = all_gather_cat(env, own.reshape(1, -1).to(env.device)).cpu()
+    every = every.reshape(env.world_size, len(tables), len(_COUNTERS) + 2)
+    names = [("rows" if c == "size" else c) for c in _COUNTERS] + ["hbm_bytes", "ddr_bytes"]
     out = {}
-    for name, row in zip(tables, counts.tolist()):
-        entry = {("rows" if c == "size" else c): int(v) for c, v in zip(_COUNTERS, row)}
-        entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else math.nan
+    for i, name in enumerate(tables):
+        per_rank = {n: [int(v) for v in every[:, i, j].tolist()] for j, n in enumerate(names)}
+        entry: dict = {n: sum(v) for n, v in per_rank.items()}
+        lookups = entry["lookups"]
+        entry["hit_rate"] = entry["hits"] / lookups if lookups else math.nan
+        entry["hbm_hit_rate"] = entry["hbm_hits"] / lookups if lookups else math.nan
+        entry["per_rank"] = per_rank
         out[name] = entry
     return out
 
@@ -115,16 +125,20 @@ def plan_report(settled: RunPlan, model: DLRM, env: Env, counts: torch.Tensor,
             "tables": tables}
 
 
-def memory_report(env: Env) -> dict[str, float]:
-    """Peak resident memory of the largest rank's process (MiB; ``ru_maxrss``), and peak CUDA
-    memory when on a GPU (collective under torchrun)."""
+def memory_report(env: Env) -> dict:
+    """Peak resident memory (MiB; ``getrusage`` ``ru_maxrss``) of each rank's process and of
+    the largest one, and peak CUDA memory when on a GPU (collective under torchrun)."""
     peak = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]  # KiB on Linux
     if env.device.type == "cuda":
         peak.append(torch.cuda.max_memory_allocated(env.device) / 2**20)
-    values = all_max(env, torch.tensor(peak, dtype=torch.float64, device=env.device)).cpu()
-    out = {"peak_rss_mib": round(float(values[0]), 1)}
+    every = all_gather_cat(env, torch.tensor([peak], dtype=torch.float64,
+                                             device=env.device)).cpu()
+    out = {"peak_rss_mib": round(float(every[:, 0].max()), 1),
+           "peak_rss_mib_per_rank": [round(float(v), 1) for v in every[:, 0].tolist()],
+           "peak_rss_is": "the largest peak resident set (ru_maxrss) of any rank's process; "
+                          "each rank's in peak_rss_mib_per_rank"}
     if env.device.type == "cuda":
-        out["peak_cuda_mib"] = round(float(values[1]), 1)
+        out["peak_cuda_mib"] = round(float(every[:, 1].max()), 1)
     return out
 
 
@@ -159,8 +173,8 @@ def format_summary(metrics: dict) -> str:
         lines.append(f"  pipeline {pipe['kind']}: {parts}")
     for name, t in metrics["tables"].items():
         line = (f"  table {name:<12} {t['rows']:>9,} rows of {t['capacity']:>9,}  "
-                f"hit rate {_fmt(t['hit_rate'], 3)} (ids that had a row)  "
-                f"{t['evicted']:,} evicted")
+                f"hit rate {_fmt(t['hit_rate'], 3)} (ids that had a row), "
+                f"{_fmt(t.get('hbm_hit_rate'), 3)} from hbm  {t['evicted']:,} evicted")
         lost = [(t.get(k, 0), what) for k, what in (
             ("failed_inserts", "failed inserts"), ("nonfinite_grads", "non-finite gradient rows"),
             ("forgotten_sightings", "forgotten admission sightings")) if t.get(k, 0)]

@@ -131,7 +131,13 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         assert h2["step"] == h1["step"]
         assert math.isclose(h2["train_loss"], h1["train_loss"], abs_tol=2e-3)
     for name, t in m1["tables"].items():  # the same ids were seen: the same rows, summed
-        assert m2["tables"][name]["rows"] == t["rows"]
+        two_t = m2["tables"][name]
+        assert two_t["rows"] == t["rows"]
+        for key in ("rows", "lookups", "hits", "hbm_hits", "evicted", "hbm_bytes", "ddr_bytes"):
+            assert len(two_t["per_rank"][key]) == 2 and sum(two_t["per_rank"][key]) == two_t[key]
+        assert two_t["hbm_bytes"] > 0 and 0 < two_t["hbm_hit_rate"] <= 1
+    assert len(m2["memory"]["peak_rss_mib_per_rank"]) == 2
+    assert m2["memory"]["peak_rss_mib"] == max(m2["memory"]["peak_rss_mib_per_rank"])
     assert (two / "config.yaml").is_file()
 
 
