@@ -202,3 +202,57 @@ def test_planner_smoke(tmp_path):
     cal = rec["calibration"]
     assert len(cal["fixed_ns"]) == len(cal["per_byte_ns"]) == 8 and positive(cal["seconds_each"])
     assert cal["calibrations"] == 2 and positive(cal["last_over_first_median_run_time_ratio"])
+
+
+def test_pipelines_smoke(tmp_path):
+    rec = run_smoke("pipelines", tmp_path)
+    kinds = ["base", "sparse_dist", "fused_sparse_dist", "semi_sync", "prefetch"]
+    assert rec["config"]["kinds"] == kinds and rec["config"]["world_size"] == 2
+    assert rec["config"]["caching_tables"] >= 1 and rec["config"]["rounds"] == 2
+    assert list(rec["results"]) == kinds
+    split_keys = {"data", "input_dist", "lookup", "prefetch", "output_dist", "dense",
+                  "backward", "optimizer", "total", "other"}
+    for kind, r in rec["results"].items():
+        for key in ("step_ms_p50", "step_ms_p90", "step_ms_min", "step_ms_mean",
+                    "samples_per_s"):
+            assert positive(r[key]), (kind, key)
+        assert r["step_ms_min"] <= r["step_ms_p50"] <= r["step_ms_p90"]
+        assert r["steps_timed"] == 2 * rec["config"]["timed_steps_per_window"]
+        assert len(r["step_ms_p50_per_window"]) == 2 and all(map(positive,
+                                                                  r["step_ms_p50_per_window"]))
+        assert len(r["peak_rss_mb_per_rank"]) == 2 and all(map(positive,
+                                                               r["peak_rss_mb_per_rank"]))
+        assert isinstance(r["peak_rss_reset_per_run"], bool)
+        assert len(r["main_thread_share_per_rank"]) == 2
+        for share in r["main_thread_share_per_rank"]:  # None where schedstat is missing
+            assert share is None or (set(share) == {"running", "waiting_for_a_core", "blocked"}
+                                     and positive(share["running"])
+                                     and sum(share.values()) == pytest.approx(1, abs=0.05))
+        split = r["split_ms_per_step"]
+        assert set(split) == split_keys
+        for key in ("input_dist", "lookup", "dense", "backward", "optimizer", "total"):
+            assert positive(split[key]), (kind, key)
+        assert all(v >= 0 for k, v in split.items() if k != "other"), kind
+        assert split["total"] <= r["step_ms_mean"] * 1.5  # the split is of the timed steps
+        assert set(r["split_share_of_total"]) == split_keys - {"total"}
+        assert set(rec["ratios"][kind]) == {"p50_vs_base", "p90_vs_base",
+                                            "p50_vs_base_paired_by_round"}
+        assert all(map(positive, rec["ratios"][kind].values())), kind
+        tables = r["tables_at_end"]
+        assert set(tables) == {"t0", "t1", "t2", "t3"}
+        for name, t in tables.items():  # nothing lost to the look-ahead: rows stay held
+            assert 0 < t["load_factor"] <= 1 and 0 <= t["hbm_hit_rate"] <= 1, (kind, name)
+            assert t["stale_updates"] == 0 and t["failed_inserts"] == 0, (kind, name)
+        assert tables["t0"]["cache_evictions"] > 0  # the CACHING table's cache is full
+        assert (tables["t0"]["prefetched"] > 0) == (kind == "prefetch"), kind
+    assert positive(rec["results"]["prefetch"]["split_ms_per_step"]["prefetch"])
+    assert rec["results"]["base"]["split_ms_per_step"]["prefetch"] == 0
+    assert len(rec["environment"]["loadavg_1m_per_round"]) == 2
+    assert rec["ratios"]["base"] == {"p50_vs_base": 1.0, "p90_vs_base": 1.0,
+                                     "p50_vs_base_paired_by_round": 1.0}
+    targets = rec["targets"]
+    assert {k for k, v in targets.items() if isinstance(v, bool)} == {
+        "sparse_dist_p90_no_slower_than_base", "fused_sparse_dist_p90_no_slower_than_base",
+        "semi_sync_p90_faster_than_sparse_dist"}
+    assert positive(targets["semi_sync_p90_vs_sparse_dist"])
+    assert positive(targets["fused_sparse_dist_p90_vs_sparse_dist"])
