@@ -332,9 +332,13 @@ class _Collection(TablesStayPut):
         self.stage_lookup(staged)
         return staged
 
-    def _lookup(self, table: DynamicTable, keys: torch.Tensor, hold: bool) -> Lookup:
-        if hold:
-            return table.lookup(keys, train=self.training, hold=True)
+    def _lookup(self, table: DynamicTable, keys: torch.Tensor, staged: Staged) -> Lookup:
+        """The table's lookup of a staged batch's keys; when a pipeline drives the collection
+        and the batch will update, its rows are held until its backward (or its release)."""
+        if staged.updates and self._stages is not None:
+            lk = table.lookup(keys, train=self.training, hold=True)
+            staged.holds.append((table, lk))
+            return lk
         return table.lookup(keys, train=self.training)
 
     def _table_ids(self, table: DynamicTable, batch: SparseBatch):
@@ -383,27 +387,24 @@ class EmbeddingBagCollection(_Collection):
     def stage_lookup(self, staged: Staged) -> None:
         """Looks the batch up in every table and pools it (rows held until its backward when
         a pipeline drives the collection)."""
-        hold = staged.updates and self._stages is not None
         with self._timed("lookup"):
             out = []
             for table in self.tables.values():
-                state, weights = self._pool_state(table, staged.state, hold)
-                if hold:
-                    staged.holds.append((table, state.lookup))
+                state, weights = self._pool_state(table, staged)
                 state.values = state.pool(keep_entries=staged.updates and weights.requires_grad)
                 state.timer = self._timed
                 out.append((state, weights))
         staged.out, staged.looked_up = out, True
 
-    def _pool_state(self, table: DynamicTable, batch: SparseBatch, hold: bool
-                    ) -> tuple[_PoolState, torch.Tensor]:
+    def _pool_state(self, table: DynamicTable, staged: Staged) -> tuple[_PoolState, torch.Tensor]:
         """The table's lookup over all its features, and the weights tensor autograd should see."""
+        batch = staged.state
         keys, lengths, weights = self._table_ids(table, batch)
         if weights is None:
             weights = torch.empty(0, dtype=torch.float32, device=self.device)
         else:
             weights = weights.to(device=self.device, dtype=torch.float32)
-        lk = self._lookup(table, keys, hold)
+        lk = self._lookup(table, keys, staged)
         state = _PoolState(table=table, lookup=lk, lengths=lengths,
                            weights=weights.detach().contiguous(), batch=batch.batch_size,
                            mean=table.config.pooling == PoolingMode.MEAN)
@@ -437,13 +438,10 @@ class EmbeddingCollection(_Collection):
     def stage_lookup(self, staged: Staged) -> None:
         """Looks the batch up in every table and reads the rows (held until its backward when
         a pipeline drives the collection)."""
-        hold = staged.updates and self._stages is not None
         with self._timed("lookup"):
             out = []
             for table in self.tables.values():
                 keys, lengths, _ = self._table_ids(table, staged.state)
-                lk = self._lookup(table, keys, hold)
-                if hold:
-                    staged.holds.append((table, lk))
+                lk = self._lookup(table, keys, staged)
                 out.append(_LookupState(table, lk, table.embeddings(lk), lengths, self._timed))
         staged.out, staged.looked_up = out, True

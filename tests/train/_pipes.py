@@ -139,6 +139,15 @@ def build(optimizer_name: str, *, group=None, caching: bool = False, seq: bool =
     return model, torch.optim.Adam(model.mlp.parameters(), lr=0.01)
 
 
+def swap_stash(params: list[torch.Tensor], stashed: list | None) -> list:
+    """The oracle of stash_gradients: the parameters take the stashed gradients (none at
+    first); returns the current ones, stashed for the next step."""
+    current = [p.grad for p in params]
+    for p, g in zip(params, stashed or [None] * len(params)):
+        p.grad = g
+    return current
+
+
 def eager(model, opt, data: list[Batch]) -> list[torch.Tensor]:
     """The plain loop: forward, backward, dense step; the detached losses."""
     losses = []
@@ -272,11 +281,7 @@ def job_semi_sync(rank: int, world_size: int, start_batch: int, stash: bool) -> 
         ref_opt.zero_grad(set_to_none=True)
         loss.backward()
         if stash and i >= start_batch:
-            params = list(ref.mlp.parameters())
-            cur = [p.grad for p in params]
-            for p, g in zip(params, stashed or [None] * len(params)):
-                p.grad = g
-            stashed = cur
+            stashed = swap_stash(list(ref.mlp.parameters()), stashed)
         ref_opt.step()
         want.append(loss.detach())
     for c in cols:

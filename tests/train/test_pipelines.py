@@ -81,11 +81,7 @@ def _semi_sync_oracle(data, start_batch: int, stash: bool):
         tabs["a"].apply_gradients(lka, ra.grad)
         tabs["b"].apply_gradients(lkb, rb.grad)
         if stash and i >= start_batch:
-            params = list(mlp.parameters())
-            cur = [p.grad for p in params]
-            for p, g in zip(params, stashed or [None] * len(params)):
-                p.grad = g
-            stashed = cur
+            stashed = P.swap_stash(list(mlp.parameters()), stashed)
         opt.step()
         losses.append(loss.detach())
     return losses, tabs, mlp
