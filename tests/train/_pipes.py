@@ -354,3 +354,41 @@ def job_iterator_raises(rank: int, world_size: int) -> dict:
     out["held"] = sum(t.held_rows() for t in model.ebc.tables.values())
     out.pop("error")
     return out
+
+
+def job_ddp(rank: int, world_size: int) -> dict:
+    """The recommended setup: the sharded collection on its own group, the dense part in
+    DistributedDataParallel on the default group. The eager loop, two pipelines over the same
+    setup, and the manual gradient sum (loss / W, all-reduce of the dense gradients)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dynemb.distributed import ShardedEmbeddingBagCollection
+
+    data = batches(8, rank=rank, seed=23)
+    out = {}
+    for how in ("ddp_eager", "ddp_sparse_dist", "ddp_semi_sync", "manual"):
+        bag, _ = tables(OPTIMIZERS["adagrad"], capacity=128, seq=False)
+        ebc = ShardedEmbeddingBagCollection(bag, group=dist.new_group(backend="gloo"),
+                                            feature_policy="ignore")
+        model = Net(ebc)
+        if how != "manual":
+            model.mlp = DistributedDataParallel(model.mlp)
+        opt = torch.optim.SGD(model.mlp.parameters(), lr=0.1)
+        if how == "manual":
+            def after_backward(m=model) -> None:
+                for p in m.mlp.parameters():
+                    dist.all_reduce(p.grad)
+            scaled = lambda o, b: loss_fn(o, b) / world_size  # noqa: E731
+            pipe = pipeline("base", model=model, optimizer=opt, loss_fn=scaled,
+                            after_backward=after_backward)
+            with pipe:
+                it = iter(data)
+                losses = [pipe.progress(it).loss * world_size for _ in data]
+        elif how == "ddp_eager":
+            losses = eager(model, opt, data)
+        else:
+            losses = piped(how[4:], model, opt, data)
+        mlp = model.mlp.module if hasattr(model.mlp, "module") else model.mlp
+        out[how] = {"losses": losses, "tables": M.snapshot(model),
+                    "dense": {k: v.detach().clone() for k, v in mlp.state_dict().items()}}
+    return out

@@ -58,3 +58,23 @@ def test_an_iterator_that_raises_on_one_rank_stops_every_rank(tmp_path):
     assert r1["kind"] == "OSError" and "went away" in r1["msg"]
     assert r0["kind"] == "DynembError" and "iterator of rank 1 raised" in r0["msg"]
     assert r0["held"] == r1["held"] == 0
+
+
+def test_the_dense_part_in_ddp_is_the_manual_gradient_sum_and_pipelines_keep_it(tmp_path):
+    """Sharded collection on its own group, the MLP in DistributedDataParallel: a pipeline
+    trains exactly as the eager loop of the same setup (sparse_dist) or as its schedule
+    (semi_sync differs), and DDP's averaged gradients equal the manual sum of loss / W."""
+    for res in P.spawn(P.job_ddp, 2, tmp_path):
+        ref = res["ddp_eager"]
+        got = res["ddp_sparse_dist"]
+        _equal(got["losses"], ref["losses"])
+        P.M.assert_same_tables(got["tables"], ref["tables"])
+        for k, v in ref["dense"].items():
+            assert torch.equal(got["dense"][k], v), k
+        assert not all(torch.equal(a, b) for a, b in zip(res["ddp_semi_sync"]["losses"],
+                                                          ref["losses"]))
+        manual = res["manual"]
+        for a, b in zip(manual["losses"], ref["losses"], strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+        for k, v in ref["dense"].items():
+            assert torch.allclose(manual["dense"][k], v, atol=1e-6), k
