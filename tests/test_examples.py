@@ -34,11 +34,16 @@ def test_sharded_example_runs_under_torchrun():
     assert re.search(r"table user: rows per rank \[\d+, \d+\]", out), out
 
 
+def _readme_block(heading: str) -> str:
+    """The first ```python block after README heading ``heading``."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(heading):]
+    return section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+
+
 def test_readme_api_block_runs():
     """The README's "Python API in 20 lines" block is executed as written."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The Python API in 20 lines"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    code = _readme_block("## The Python API in 20 lines")
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
     table = scope["table"]
@@ -47,9 +52,7 @@ def test_readme_api_block_runs():
 
 def test_readme_storage_block_runs():
     """The README's storage-tier block runs as written, and its formula splits the tiers."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Storage tiers"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    code = _readme_block("## Storage tiers")
     scope: dict = {}
     exec(compile("import dynemb\n" + code, "README.md", "exec"), scope)  # noqa: S102
     mem = scope["dynemb"].table_memory(scope["table"])
@@ -63,9 +66,7 @@ def test_readme_planner_block_runs():
 
     import dynemb
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Planning where tables live"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    code = _readme_block("## Planning where tables live")
     auto = dynemb.Storage(mode=dynemb.StorageMode.AUTO)
     tables = [dynemb.TableConfig(name=n, dim=128, features=[n], capacity=cap,
                                  optimizer=dynemb.Adam(), storage=auto)
@@ -80,9 +81,7 @@ def test_readme_planner_block_runs():
 
 def test_readme_torchrec_block_runs():
     """The README's torchrec block runs as written: torchrec's DLRM over dynemb tables."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Coming from torchrec"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", 10)]
+    code = _readme_block("## Coming from torchrec")
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (our own README)
     assert scope["pooled"].values().shape == (2, 16)

@@ -227,7 +227,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             staged.holds += [(o.table, o.lookup) for o in owners] if hold else []
             step = _PooledStep(module=self, inp=inp, owners=owners, error=error)
             step.start()
-        staged.out, staged.looked_up = step, True
+        staged.out = step
 
     def _output(self, staged: Staged) -> KeyedEmbeddings:
         step = staged.out

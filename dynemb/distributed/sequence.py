@@ -138,7 +138,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             staged.holds += [(o.table, o.lookup) for o in owners] if hold else []
             step = _RowsStep(module=self, inp=inp, owners=owners, error=error)
             step.start()
-        staged.out, staged.looked_up = step, True
+        staged.out = step
 
     def _output(self, staged: Staged) -> dict[str, JaggedEmbeddings]:
         step, inp = staged.out, staged.state

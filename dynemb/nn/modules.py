@@ -394,7 +394,7 @@ class EmbeddingBagCollection(_Collection):
                 state.values = state.pool(keep_entries=staged.updates and weights.requires_grad)
                 state.timer = self._timed
                 out.append((state, weights))
-        staged.out, staged.looked_up = out, True
+        staged.out = out
 
     def _pool_state(self, table: DynamicTable, staged: Staged) -> tuple[_PoolState, torch.Tensor]:
         """The table's lookup over all its features, and the weights tensor autograd should see."""
@@ -444,4 +444,4 @@ class EmbeddingCollection(_Collection):
                 keys, lengths, _ = self._table_ids(table, staged.state)
                 lk = self._lookup(table, keys, staged)
                 out.append(_LookupState(table, lk, table.embeddings(lk), lengths, self._timed))
-        staged.out, staged.looked_up = out, True
+        staged.out = out

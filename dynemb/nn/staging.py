@@ -38,11 +38,15 @@ class Staged:
     """Train mode and grad mode when the batch was staged (they decide lookup and backward)."""
     state: Any = None
     """The collection's own record of the batch (its checked batch, its input distribution)."""
-    looked_up: bool = False
     out: Any = None
-    """What the lookup stage computed for forward (values, the autograd context)."""
+    """What the lookup stage computed for forward (values, the autograd context); None until
+    it ran."""
     holds: list = field(default_factory=list)
     """(table, Lookup) pairs holding rows until the batch's backward (released on discard)."""
+
+    @property
+    def looked_up(self) -> bool:
+        return self.out is not None
 
     @property
     def updates(self) -> bool:
