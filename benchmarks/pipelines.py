@@ -336,6 +336,7 @@ def _rank(rank: int, args, port: int, out: str) -> None:
             run.close()
         Path(out, f"rank{rank}.json").write_text(json.dumps(
             {"memory": memory, "windows": windows, "tables": counts, "load": load}))
+        dist.barrier()  # every rank done before any tears down (see examples/torchrun_sharded.py)
     finally:
         dist.destroy_process_group()
 

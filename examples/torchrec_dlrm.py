@@ -98,6 +98,7 @@ def main() -> None:
         parts = [None] * world_size
         dist.all_gather_object(parts, (scores, labels))
         scores, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        dist.barrier()  # see examples/torchrun_sharded.py: every rank is done before teardown
         dist.destroy_process_group()
     if rank == 0:
         print(f"loss {first:.4f} -> {last:.4f}; eval AUC {roc_auc(scores, labels):.4f} "

@@ -83,6 +83,11 @@ def main() -> None:
             print(f"table {name}: rows per rank {list(t.rows_stored)}, ids received per rank "
                   f"{list(t.ids_received)} (max/mean {t.ids_max_over_mean:.3f})")
         print(f"loss {first:.4f} -> {last:.4f}")
+    # Every rank is done before any tears its groups down. Without this barrier a rank that
+    # leaves first makes a peer still finishing the last gather abort ("connection closed"),
+    # or deadlock in gloo's teardown (its worker thread waits for the GIL that the thread
+    # joining it holds), now and then.
+    dist.barrier()
     dist.destroy_process_group()
 
 

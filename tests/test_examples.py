@@ -8,11 +8,21 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+"""torchrun with two ranks; --standalone binds the rendezvous to a port it picks itself, so no
+free port is guessed (and raced for) here."""
+
+
+def _run(*args: str) -> str:
+    """Runs ``python *args`` and returns its stdout; a failure shows both streams' ends."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                                  f"\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc.stdout
 
 
 def test_quickstart_trains_and_the_loss_falls():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "150"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _run(str(ROOT / "examples" / "quickstart.py"), "--steps", "150")
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
     assert last < first - 0.03, out
     assert "table user: 2,000 rows" in out
@@ -20,15 +30,7 @@ def test_quickstart_trains_and_the_loss_falls():
 
 def test_sharded_example_runs_under_torchrun():
     """README/docs/sharding.md: `torchrun --nproc-per-node 2 examples/torchrun_sharded.py`."""
-    import socket
-
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           str(ROOT / "examples" / "torchrun_sharded.py"), "--steps", "100"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _run(*TORCHRUN_2, str(ROOT / "examples" / "torchrun_sharded.py"), "--steps", "100")
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
     assert last < first, out
     assert re.search(r"table user: rows per rank \[\d+, \d+\]", out), out
@@ -90,21 +92,12 @@ def test_readme_torchrec_block_runs():
 
 
 def _torchrec_dlrm(*launch: str) -> str:
-    cmd = [sys.executable, *launch, str(ROOT / "examples" / "torchrec_dlrm.py"), "--steps", "120"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    return _run(*launch, str(ROOT / "examples" / "torchrec_dlrm.py"), "--steps", "120")
 
 
 def test_torchrec_dlrm_example_learns_in_one_process_and_under_torchrun():
     """examples/torchrec_dlrm.py: torchrec's DLRM over dynemb tables on MovieLens 100K."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for out, ranks in ((_torchrec_dlrm(), 1),
-                       (_torchrec_dlrm("-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                       "--master-addr", "127.0.0.1", "--master-port", str(port)),
-                        2)):
+    for out, ranks in ((_torchrec_dlrm(), 1), (_torchrec_dlrm(*TORCHRUN_2), 2)):
         first, last, auc = map(float, re.search(r"loss (\S+) -> (\S+); eval AUC (\S+)",
                                                 out).groups())
         assert last < first and auc > 0.72, out
