@@ -21,6 +21,15 @@ from dynemb import checkpoint  # after distributed: it saves and reshards sharde
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # noqa: ANN202  (PEP 562)
+    """``dynemb.train`` (the pipelines, the training job) without importing it up front."""
+    if name == "train":
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module("dynemb.train")
+    raise AttributeError(f"module 'dynemb' has no attribute {name!r}")
+
 __all__ = [
     "EMPTY_KEY", "SGD", "Adagrad", "Adam", "Admission", "DynamicTable", "EmbeddingBagCollection",
     "EmbeddingCollection", "Evicted", "ExportBatch", "FindResult", "InitKind", "Initializer",

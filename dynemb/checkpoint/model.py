@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dynemb.errors import CheckpointError, DynembError
 from dynemb.config import TableConfig
 from dynemb.distributed.base import ShardedCollection
-from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection
+from dynemb.nn.modules import EmbeddingBagCollection, EmbeddingCollection, dense_only
 from dynemb.table.table import DynamicTable
 
 
@@ -179,8 +179,9 @@ def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict (parameters and buffers; dynamic tables hold none) on CPU, with
     DDP's ``module.`` dropped from the names."""
     prefixes = _ddp_prefixes(model)
-    return {_normalise(k, prefixes): v.detach().to("cpu")
-            for k, v in model.state_dict().items()}
+    with dense_only():
+        state = model.state_dict()
+    return {_normalise(k, prefixes): v.detach().to("cpu") for k, v in state.items()}
 
 
 def check_dense_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
@@ -194,7 +195,8 @@ def check_dense_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
         CheckpointError: names missing on either side, or a shape that differs.
     """
     prefixes = _ddp_prefixes(model)
-    own = {_normalise(k, prefixes): (k, v) for k, v in model.state_dict().items()}
+    with dense_only():
+        own = {_normalise(k, prefixes): (k, v) for k, v in model.state_dict().items()}
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
     if missing or extra:

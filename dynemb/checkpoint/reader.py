@@ -24,6 +24,7 @@ from dynemb.checkpoint.manifest import DELTA, read_manifest, to_json
 from dynemb.checkpoint.model import (
     ModelView, TableSlot, check_dense_state, optimizer_type, view_model,
 )
+from dynemb.nn.modules import dense_only
 from dynemb.nn.staging import check_idle
 from dynemb.checkpoint.paths import load_lock
 from dynemb.checkpoint.schema import FileSpec, file_specs
@@ -435,7 +436,8 @@ def _apply(plan: LoadPlan, model: torch.nn.Module, optimizer: torch.optim.Optimi
             _report(plan, t, rows, rank)
             if dropped is not None:
                 dropped[t.slot.key] = rows
-    model.load_state_dict(plan.dense["model"], strict=True)
+    with dense_only():
+        model.load_state_dict(plan.dense["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(plan.dense["optimizer"])
 

@@ -22,8 +22,9 @@ from dynemb.distributed.owner import OwnerTable, Scratch
 from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.optim.rules import clip_scale
-from dynemb.nn.modules import TablesStayPut, describe_table
-from dynemb.nn.staging import Staged
+from dynemb.nn.modules import TablesStayPut, describe_table, leaving_tables_out
+from dynemb.nn.staging import Staged, check_idle
+from dynemb.table import snapshot
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
@@ -307,6 +308,51 @@ class ShardedCollection(TablesStayPut):
                               f"the process group now has {now}; the world size changed. Build "
                               "the sharded collection again (and reshard its rows through a "
                               "checkpoint) for the new world size.")
+
+    # ------------------------------------------------------------------ state_dict
+
+    def _sharding(self) -> dict:
+        return {"world_size": self.world_size, "rank": self.rank,
+                "routing": {c.name: c.routing.value for c in self.configs}}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
+        """``{prefix}sharding``: the world size, this rank and the routing of each table (what
+        the shards under ``{prefix}local.tables.`` were cut by), and the load counters."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if leaving_tables_out():
+            return
+        check_idle(self, f"{type(self).__name__}.state_dict()")
+        destination[f"{prefix}sharding"] = snapshot.encode(
+            {**self._sharding(), "steps": self._steps, "received": self._received,
+             "bytes_sent": self._bytes_sent})
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,  # noqa: ANN001
+                              missing_keys, unexpected_keys, error_msgs):
+        """Checks the state was saved by this rank of a collection sharded the same way (else
+        ConfigError, before any shard changes: the shards load next, as children)."""
+        key = f"{prefix}sharding"
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if leaving_tables_out():
+            return
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        what = f"{type(self).__name__}.load_state_dict()"
+        check_idle(self, what)
+        saved = snapshot.decode(state_dict[key], f"{what}: {key!r}")
+        own = self._sharding()
+        diff = [f"{k} {saved.get(k)!r} in the state but {v!r} here" for k, v in own.items()
+                if saved.get(k) != v]
+        if diff:
+            raise ConfigError(
+                f"{what}: the state was saved from shards cut another way: {'; '.join(diff)}. "
+                "A state_dict reloads on the rank of the world size it was saved on; to load "
+                "rows into another world size save with dynemb.checkpoint.save and load with "
+                "dynemb.checkpoint.load(..., reshard=True).")
+        self._steps, self._bytes_sent = saved["steps"], saved["bytes_sent"]
+        self._received = [list(r) for r in saved["received"]]
 
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),

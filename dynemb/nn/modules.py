@@ -10,7 +10,8 @@ optimizer in backward, which updates the rows in place.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.kernels.backend import backend_for
-from dynemb.nn.staging import Stageable, Staged
+from dynemb.nn.staging import Stageable, Staged, check_idle
+from dynemb.table import snapshot
 from dynemb.table.memory import storage_layout
 from dynemb.table.table import DynamicTable, Lookup, canonical_device
 
@@ -223,6 +225,74 @@ class TablesStayPut(Stageable):
         return super()._apply(fn, recurse)
 
 
+_DENSE_ONLY = contextvars.ContextVar("dynemb_dense_only", default=False)
+
+
+@contextlib.contextmanager
+def dense_only() -> Iterator[None]:
+    """Within it, collections leave their tables out of ``state_dict()`` and
+    ``load_state_dict()``: a model's dense state alone (what ``dynemb.checkpoint`` writes
+    beside the tables it saves its own way)."""
+    token = _DENSE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _DENSE_ONLY.reset(token)
+
+
+def leaving_tables_out() -> bool:
+    """Whether a :func:`dense_only` block is running."""
+    return _DENSE_ONLY.get()
+
+
+def tables_state(module: torch.nn.Module, tables: dict[str, DynamicTable], destination: dict,
+                 prefix: str) -> None:
+    """``module``'s tables into a state dict being built (``_save_to_state_dict``)."""
+    if leaving_tables_out():
+        return
+    what = f"{type(module).__name__}.state_dict()"
+    check_idle(module, what)
+    for name, table in tables.items():
+        for k, v in snapshot.state(table, f"{what}, table {name!r}").items():
+            destination[f"{prefix}tables.{name}.{k}"] = v
+
+
+def load_tables_state(module: torch.nn.Module, tables: dict[str, DynamicTable],
+                      state_dict: dict, prefix: str, missing_keys: list,
+                      unexpected_keys: list) -> None:
+    """The tables' part of ``load_state_dict`` (``_load_from_state_dict``): every table's
+    entries are checked against it before any table changes. As torch does for parameters, the
+    tables whose entries are all there load, and missing or unknown entries are reported
+    (``load_state_dict`` raises on them unless ``strict=False``)."""
+    ours = f"{prefix}tables."
+    if leaving_tables_out():
+        return
+    found = {k[len(ours):] for k in state_dict if k.startswith(ours)}
+    what = f"{type(module).__name__}.load_state_dict()"
+    check_idle(module, what)
+    plans, missing = [], []
+    for name, table in tables.items():
+        need = [f"{name}.{n}" for n in snapshot.names(table)]
+        absent = [n for n in need if n not in found]
+        found.difference_update(need)
+        if absent:
+            missing += [ours + n for n in absent]
+            continue
+        entries = {n[len(name) + 1:]: state_dict[ours + n] for n in need}
+        plans.append((table, entries,
+                      snapshot.checked(table, entries, f"{what}, table {name!r}")))
+    missing_keys.extend(missing)
+    unexpected_keys.extend(ours + k for k in sorted(found))
+    for table, entries, meta in plans:
+        snapshot.load(table, entries, meta, f"{what}, table {table.name!r}")
+
+
+def without_tables(state_dict: dict, prefix: str) -> dict:
+    """``state_dict`` without the entries of the tables under ``prefix``."""
+    ours = f"{prefix}tables."
+    return {k: v for k, v in state_dict.items() if not k.startswith(ours)}
+
+
 class _Collection(TablesStayPut):
     """What both collections share: the configs (checked when built), the tables, built on
     first use (:attr:`tables`), and the batch checks."""
@@ -264,6 +334,21 @@ class _Collection(TablesStayPut):
     def embedding_configs(self) -> list:
         """torchrec ``EmbeddingConfig`` objects of the tables (needs torchrec)."""
         return sequence_configs(self.configs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
+        """Each table's state as tensors that view its live storage (``dynemb.table.snapshot``):
+        ``{prefix}tables.{name}.{array}``."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        tables_state(self, self.tables, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,  # noqa: ANN001
+                              missing_keys, unexpected_keys, error_msgs):
+        """Restores each table exactly from a state of the same geometry (else ConfigError
+        naming the difference)."""
+        super()._load_from_state_dict(without_tables(state_dict, prefix), prefix,
+                                      local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        load_tables_state(self, self.tables, state_dict, prefix, missing_keys, unexpected_keys)
 
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),
@@ -364,8 +449,10 @@ class EmbeddingBagCollection(_Collection):
         tables: table configs (distinct names; each feature in one table).
         device: where tables live and outputs are made (default CPU). Tables are not
             ``nn.Parameter``s: ``Module.to()``, ``.cuda()``, ``.half()`` and the like raise
-            (they would leave the tables behind) and ``state_dict()`` holds no rows; choose the
-            device here, and save rows with ``dynemb.checkpoint``.
+            (they would leave the tables behind); choose the device here. ``state_dict()``
+            holds each table's state as tensors viewing its storage, and ``load_state_dict``
+            restores it exactly into a collection of the same tables (``dynemb.checkpoint``
+            also saves across world sizes and geometries).
         backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
         feature_policy: batch features no table reads are refused ("strict", the default) or
             skipped ("ignore", as torchrec's collections do).

@@ -217,6 +217,16 @@ class EvictionLog:
         parts = [k for s, k in self._entries if s > step]
         return torch.unique(torch.cat(parts)) if parts else self._empty.clone()
 
+    def export(self) -> tuple[int | None, list[tuple[int, torch.Tensor]]]:
+        """(the step it starts at, or None when off; its (step, keys) entries)."""
+        return (None, []) if self._entries is None else (self._start, list(self._entries))
+
+    def restore(self, start: int | None, entries: list[tuple[int, torch.Tensor]]) -> None:
+        """Puts back what :meth:`export` gave."""
+        self._start = 0 if start is None else start
+        self._entries = None if start is None else [
+            (s, k.to(self._empty.device).clone()) for s, k in entries]
+
     def trim(self, step: int) -> None:
         """Forgets entries at or before ``step``."""
         if self._entries is not None:
