@@ -55,8 +55,12 @@ class DLRM(nn.Module):
 
     Args:
         dense_dim: D, the number of dense features (0: no bottom MLP).
-        tables: one or more dynamic tables, all of dimension ``dim`` (the interaction takes dot
-            products); their features, in order, are the sparse inputs.
+        tables: one or more dynamic tables; their features, in order, are the sparse inputs.
+            The interaction takes dot products of vectors of one dimension: without
+            ``interaction_dim`` every table must have the same dim.
+        interaction_dim: the vectors' dimension; a table of another dim is projected to it by a
+            linear layer without bias (``projections[feature]``), as DLRM variants with mixed
+            dims do. None: the tables' one dim.
         bottom_mlp: hidden sizes of the bottom MLP; its output has ``dim`` units (ReLU).
         top_mlp: hidden sizes of the top MLP; its output is one logit.
         device: where the tables and the dense layers live.
@@ -65,19 +69,24 @@ class DLRM(nn.Module):
 
     def __init__(self, *, dense_dim: int, tables: Sequence[TableConfig],
                  bottom_mlp: Sequence[int] = (64,), top_mlp: Sequence[int] = (64, 32),
-                 device: torch.device | str | None = None, backend: str | None = None) -> None:
+                 device: torch.device | str | None = None, backend: str | None = None,
+                 interaction_dim: int | None = None) -> None:
         super().__init__()
         dims = {t.dim for t in tables}
-        if len(dims) != 1:
+        if interaction_dim is None and len(dims) != 1:
             raise ConfigError(f"DLRM: the dot interaction needs one embedding dimension for all "
-                              f"tables, found {sorted(dims)} ({[t.name for t in tables]}).")
+                              f"tables, found {sorted(dims)} ({[t.name for t in tables]}); "
+                              "give interaction_dim= to project them to one.")
         if dense_dim < 0:
             raise ConfigError(f"DLRM: dense_dim expected >= 0, found {dense_dim}.")
-        self.dim = dims.pop()
+        self.dim = dims.pop() if interaction_dim is None else interaction_dim
         self.dense_dim = dense_dim
         self.embeddings: nn.Module = EmbeddingBagCollection(tables, device=device,
                                                             backend=backend)
         self.feature_names = tuple(f for t in tables for f in t.features)
+        self.projections = nn.ModuleDict({f: nn.Linear(t.dim, self.dim, bias=False)
+                                          for t in tables if t.dim != self.dim
+                                          for f in t.features})
         self.bottom = (mlp([dense_dim, *bottom_mlp, self.dim], last_activation=True)
                        if dense_dim else None)
         n = len(self.feature_names) + (1 if dense_dim else 0)
@@ -104,8 +113,13 @@ class DLRM(nn.Module):
         if sparse.batch_size != dense.shape[0]:
             raise InputError(f"DLRM: the sparse batch has {sparse.batch_size} samples, the dense "
                              f"features {dense.shape[0]}; expected them equal.")
-        emb = self.embeddings(sparse).values()
-        vectors = emb.view(emb.shape[0], len(self.feature_names), self.dim)
+        out = self.embeddings(sparse)
+        if self.projections:
+            vectors = torch.stack([self.projections[f](out[f]) if f in self.projections
+                                   else out[f] for f in self.feature_names], dim=1)
+        else:
+            emb = out.values()
+            vectors = emb.view(emb.shape[0], len(self.feature_names), self.dim)
         if self.bottom is None:
             return self.top(pairwise_dots(vectors)).squeeze(1)
         x = self.bottom(dense)

@@ -7,16 +7,23 @@ A config file mirrors the dataclasses; anything left out keeps its default::
     batch_size: 256
     data: {source: movielens-100k, split: time}
     model: {embedding_dim: 8, top_mlp: [64, 32]}
-    embeddings: {optimizer: adam, lr: 0.003}
+    embeddings:
+      optimizer: adam                   # every table's defaults ...
+      lr: 0.003
+      tables:                           # ... then per table (a feature name or a glob pattern)
+        - {match: [age, gender, zip], capacity: 4096, optimizer: sgd}
+        - {match: user, dim: 16, storage: caching, cache_load_factor: 0.5}
     dense_optimizer: {name: adam, lr: 0.0005}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import fnmatch
 from dataclasses import dataclass, field
 
-from dynemb.config import OnFull, PoolingMode, ScorePolicy, Storage, StorageMode
+from dynemb.config import OnFull, PoolingMode, Routing, ScorePolicy, Storage, StorageMode
 from dynemb.data.base import is_int, is_number, require
 from dynemb.data.movielens import Split
 from dynemb.data.synthetic import SyntheticConfig
@@ -120,7 +127,8 @@ class ModelConfig:
     """The DLRM's shape."""
 
     embedding_dim: int = 8
-    """Dimension of every embedding table and of the bottom MLP's output."""
+    """Dimension of the tables (unless ``embeddings.tables`` sets another: such a table is
+    projected to this one by a linear layer) and of the bottom MLP's output."""
     bottom_mlp: tuple[int, ...] = (64,)
     """Hidden layer sizes of the bottom MLP (dense features)."""
     top_mlp: tuple[int, ...] = (64, 32)
@@ -133,8 +141,69 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TableSettings:
+    """Settings of the tables whose feature ``match`` names; null keeps the default."""
+
+    match: str | tuple[str, ...] = ""
+    """The tables' features: a name, a glob pattern (``user_*``), or a list of them (a group)."""
+    dim: int | None = None
+    """Embedding dimension (default: ``model.embedding_dim``)."""
+    capacity: int | None = None
+    """Rows at most (see ``embeddings.capacity``)."""
+    optimizer: SparseOptimizer | None = None
+    """Row optimizer."""
+    lr: float | None = None
+    """Its learning rate."""
+    weight_decay: float | None = None
+    """Its L2 penalty."""
+    init_std: float | None = None
+    """Standard deviation of the normal initial rows."""
+    score: ScorePolicy | None = None
+    """Eviction policy."""
+    pooling: PoolingMode | None = None
+    """Pooling of a multi-id bag."""
+    admission_threshold: int | None = None
+    """Sightings before a new id gets a row."""
+    on_full: OnFull | None = None
+    """When an id cannot get a row."""
+    routing: Routing | None = None
+    """Which rank owns an id under torchrun."""
+    storage: StorageMode | None = None
+    """Storage mode (``auto``: planned)."""
+    cache_load_factor: float | None = None
+    """Share of the rows in hbm (HYBRID) or cached there (CACHING)."""
+    ddr_path: str | None = None
+    """Directory of the ddr tier's memory-mapped files."""
+
+    def __post_init__(self) -> None:
+        own = "TableSettings"
+        names = (self.match,) if isinstance(self.match, str) else self.match
+        require(isinstance(names, tuple) and len(names) > 0
+                and all(isinstance(n, str) and n != "" for n in names), own, "match",
+                self.match, "a feature name or glob pattern, or a non-empty list of them")
+        for name, kind in (("optimizer", SparseOptimizer), ("score", ScorePolicy),
+                           ("pooling", PoolingMode), ("on_full", OnFull),
+                           ("storage", StorageMode), ("routing", Routing)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _check_enum(own, name, getattr(self, name), kind))
+        if self.dim is not None:
+            _check_int(own, "dim", self.dim, 1, 4096)
+
+    def matches(self, feature: str) -> bool:
+        """Whether ``feature``'s table takes these settings."""
+        names = (self.match,) if isinstance(self.match, str) else self.match
+        return any(fnmatch.fnmatchcase(feature, n) for n in names)
+
+    def overrides(self) -> dict[str, object]:
+        """The settings given (not null) that ``EmbeddingConfig`` also has."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("match", "dim") and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmbeddingConfig:
-    """The dynamic tables: one per sparse feature."""
+    """The dynamic tables: one per sparse feature; the settings here are every table's, unless
+    ``tables`` sets others."""
 
     optimizer: SparseOptimizer = SparseOptimizer.ADAM
     """Row optimizer fused into backward."""
@@ -155,6 +224,9 @@ class EmbeddingConfig:
     """A new id gets a row only after this many sightings (0 or 1: at once)."""
     on_full: OnFull = OnFull.RAISE
     """When an id cannot get a row (a full table without eviction)."""
+    routing: Routing = Routing.HASH_ROUNDROBIN
+    """Which rank owns an id under torchrun: ``hash_roundrobin``, ``roundrobin`` or
+    ``continuous`` (needs the number of ids; see docs/sharding.md)."""
     backend: str | None = None
     """Kernel backend: ``numba``, ``torch`` or null (numba on CPU, torch elsewhere)."""
     storage: StorageMode = StorageMode.AUTO
@@ -187,12 +259,19 @@ class EmbeddingConfig:
     profile_steps: int = 32
     """Training batches whose ids are each table's access profile for the planner: the first
     batches of the run (at most the steps it trains), which it then trains on as usual."""
+    tables: tuple[TableSettings, ...] = ()
+    """Per-table settings: a list of ``{match: FEATURE or PATTERN, <setting>: value, ...}``
+    (settings: dim, capacity, optimizer, lr, weight_decay, init_std, score, pooling,
+    admission_threshold, on_full, routing, storage, cache_load_factor, ddr_path). Each table
+    takes the settings above, then those of every entry that matches its feature, in order
+    (so a group's pattern first, then single tables). An entry matching no table is an
+    error."""
 
     def __post_init__(self) -> None:
         own = "EmbeddingConfig"
         for name, kind in (("optimizer", SparseOptimizer), ("score", ScorePolicy),
                            ("pooling", PoolingMode), ("on_full", OnFull),
-                           ("storage", StorageMode)):
+                           ("storage", StorageMode), ("routing", Routing)):
             object.__setattr__(self, name, _check_enum(own, name, getattr(self, name), kind))
         for name in ("lr", "weight_decay", "init_std"):
             value = getattr(self, name)
@@ -202,6 +281,32 @@ class EmbeddingConfig:
         require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
                 "numba, torch or null")
         self._check_planning()
+        require(isinstance(self.tables, tuple)
+                and all(isinstance(t, TableSettings) for t in self.tables), own, "tables",
+                self.tables, "a list of per-table settings ({match: ..., ...})")
+        for i, entry in enumerate(self.tables):
+            try:  # each entry's settings, checked as every table's are
+                dataclasses.replace(self, tables=(), **entry.overrides())
+            except ConfigError as error:
+                raise ConfigError(f"EmbeddingConfig.tables[{i}] (match {entry.match!r}): "
+                                  f"{error}") from None
+
+    def for_table(self, feature: str) -> tuple[EmbeddingConfig, int | None]:
+        """The settings of ``feature``'s table (every matching entry of ``tables`` applied in
+        order) and its dim (None: ``model.embedding_dim``)."""
+        settings, dim = dataclasses.replace(self, tables=()), None
+        for entry in self.tables:
+            if entry.matches(feature):
+                settings = dataclasses.replace(settings, **entry.overrides())
+                dim = entry.dim if entry.dim is not None else dim
+        return settings, dim
+
+    def check_matches(self, features: list[str]) -> None:
+        """ConfigError if an entry of ``tables`` matches none of ``features``."""
+        for i, entry in enumerate(self.tables):
+            if not any(entry.matches(f) for f in features):
+                raise ConfigError(f"EmbeddingConfig.tables[{i}]: match {entry.match!r} names "
+                                  f"no table; the tables (one per feature) are {features}.")
 
     def _check_planning(self) -> None:
         own = "EmbeddingConfig"

@@ -31,6 +31,15 @@ def _dataclass_of(hint: object) -> type | None:
     return None
 
 
+def _entries_of(hint: object) -> type | None:
+    """The dataclass X of a ``tuple[X, ...]`` field, or None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis \
+            and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
 def from_dict(cls: type[T], data: object, where: str | None = None) -> T:
     """Builds dataclass ``cls`` from a mapping; nested dataclass fields take nested mappings.
 
@@ -55,9 +64,14 @@ def from_dict(cls: type[T], data: object, where: str | None = None) -> T:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
-        nested = _dataclass_of(hints[name])
+        entries = _entries_of(hints[name])
+        nested = None if entries is not None else _dataclass_of(hints[name])
+        path = f"{prefix[:-2]}.{name}" if prefix else name
         if nested is not None and not isinstance(value, nested):
-            value = from_dict(nested, value, f"{prefix[:-2]}.{name}" if prefix else name)
+            value = from_dict(nested, value, path)
+        elif entries is not None and isinstance(value, (list, tuple)):
+            value = tuple(v if isinstance(v, entries) else from_dict(entries, v, f"{path}[{i}]")
+                          for i, v in enumerate(value))
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value
@@ -333,6 +347,9 @@ def to_dict_value(value: object) -> object:
     """One field's value as plain data (see :func:`to_dict`)."""
     if isinstance(value, enum.Enum):
         return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a list's entry
+        return {f.name: to_dict_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None}  # null: not set, so left out
     if isinstance(value, (list, tuple)):
         return [to_dict_value(v) for v in value]
     return value

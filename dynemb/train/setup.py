@@ -8,7 +8,8 @@ import logging
 import torch
 
 from dynemb.config import (
-    SGD, Adagrad, Adam, Admission, Initializer, OptimizerConfig, RowWiseAdagrad, TableConfig,
+    SGD, Adagrad, Adam, Admission, Initializer, OptimizerConfig, Routing, RowWiseAdagrad,
+    TableConfig,
 )
 from dynemb.data.base import DataSource
 from dynemb.data.criteo import CriteoTSV
@@ -55,17 +56,33 @@ def table_rows(config: EmbeddingConfig, num_ids: int | None) -> int:
 
 
 def table_configs(config: TrainConfig, source: DataSource) -> list[TableConfig]:
-    """One table per sparse feature, named after it, with the configured storage (left to the
-    planner where ``embeddings.storage`` is ``auto`` or its cache_load_factor is null)."""
-    emb = config.embeddings
-    admission = (Admission(threshold=emb.admission_threshold)
-                 if emb.admission_threshold > 1 else None)
-    return [TableConfig(name=f.name, dim=config.model.embedding_dim, features=[f.name],
-                        capacity=table_rows(emb, f.num_ids), optimizer=sparse_optimizer(emb),
-                        score=emb.score, pooling=emb.pooling, admission=admission,
-                        initializer=Initializer(std=emb.init_std), on_full=emb.on_full,
-                        storage=emb.table_storage())
-            for f in source.features]
+    """One table per sparse feature, named after it, with the settings of ``embeddings`` and
+    of its entries in ``embeddings.tables``, and the configured storage (left to the planner
+    where it is ``auto`` or its cache_load_factor is null).
+
+    Raises:
+        ConfigError: an entry of ``embeddings.tables`` matches no feature, or a table's
+            settings do not make a valid table (naming it).
+    """
+    config.embeddings.check_matches([f.name for f in source.features])
+    out = []
+    for f in source.features:
+        emb, dim = config.embeddings.for_table(f.name)
+        admission = (Admission(threshold=emb.admission_threshold)
+                     if emb.admission_threshold > 1 else None)
+        out.append(TableConfig(
+            name=f.name, dim=dim or config.model.embedding_dim, features=[f.name],
+            capacity=table_rows(emb, f.num_ids), optimizer=sparse_optimizer(emb),
+            score=emb.score, pooling=emb.pooling, admission=admission,
+            initializer=Initializer(std=emb.init_std), on_full=emb.on_full,
+            routing=emb.routing, id_range=_id_range(emb, f.num_ids),
+            storage=emb.table_storage()))
+    return out
+
+
+def _id_range(emb: EmbeddingConfig, num_ids: int | None) -> int | None:
+    """CONTINUOUS routing's id range: the feature's number of ids (ids are 0..n-1 there)."""
+    return num_ids if emb.routing == Routing.CONTINUOUS else None
 
 
 def build_model(config: TrainConfig, source: DataSource, env: Env,
@@ -94,6 +111,7 @@ def build_model(config: TrainConfig, source: DataSource, env: Env,
         tables = apply_plan(plan, tables, "the plan")
     torch.manual_seed(config.seed)
     model = DLRM(dense_dim=len(source.dense_names), tables=tables,
+                 interaction_dim=config.model.embedding_dim,
                  bottom_mlp=config.model.bottom_mlp, top_mlp=config.model.top_mlp,
                  device=env.device, backend=config.embeddings.backend)
     if env.distributed:
