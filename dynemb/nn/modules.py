@@ -245,54 +245,6 @@ def leaving_tables_out() -> bool:
     return _DENSE_ONLY.get()
 
 
-def tables_state(module: torch.nn.Module, tables: dict[str, DynamicTable], destination: dict,
-                 prefix: str) -> None:
-    """``module``'s tables into a state dict being built (``_save_to_state_dict``)."""
-    if leaving_tables_out():
-        return
-    what = f"{type(module).__name__}.state_dict()"
-    check_idle(module, what)
-    for name, table in tables.items():
-        for k, v in snapshot.state(table, f"{what}, table {name!r}").items():
-            destination[f"{prefix}tables.{name}.{k}"] = v
-
-
-def load_tables_state(module: torch.nn.Module, tables: dict[str, DynamicTable],
-                      state_dict: dict, prefix: str, missing_keys: list,
-                      unexpected_keys: list) -> None:
-    """The tables' part of ``load_state_dict`` (``_load_from_state_dict``): every table's
-    entries are checked against it before any table changes. As torch does for parameters, the
-    tables whose entries are all there load, and missing or unknown entries are reported
-    (``load_state_dict`` raises on them unless ``strict=False``)."""
-    ours = f"{prefix}tables."
-    if leaving_tables_out():
-        return
-    found = {k[len(ours):] for k in state_dict if k.startswith(ours)}
-    what = f"{type(module).__name__}.load_state_dict()"
-    check_idle(module, what)
-    plans, missing = [], []
-    for name, table in tables.items():
-        need = [f"{name}.{n}" for n in snapshot.names(table)]
-        absent = [n for n in need if n not in found]
-        found.difference_update(need)
-        if absent:
-            missing += [ours + n for n in absent]
-            continue
-        entries = {n[len(name) + 1:]: state_dict[ours + n] for n in need}
-        plans.append((table, entries,
-                      snapshot.checked(table, entries, f"{what}, table {name!r}")))
-    missing_keys.extend(missing)
-    unexpected_keys.extend(ours + k for k in sorted(found))
-    for table, entries, meta in plans:
-        snapshot.load(table, entries, meta, f"{what}, table {table.name!r}")
-
-
-def without_tables(state_dict: dict, prefix: str) -> dict:
-    """``state_dict`` without the entries of the tables under ``prefix``."""
-    ours = f"{prefix}tables."
-    return {k: v for k, v in state_dict.items() if not k.startswith(ours)}
-
-
 class _Collection(TablesStayPut):
     """What both collections share: the configs (checked when built), the tables, built on
     first use (:attr:`tables`), and the batch checks."""
@@ -339,16 +291,44 @@ class _Collection(TablesStayPut):
         """Each table's state as tensors that view its live storage (``dynemb.table.snapshot``):
         ``{prefix}tables.{name}.{array}``."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        tables_state(self, self.tables, destination, prefix)
+        if leaving_tables_out():
+            return
+        what = f"{type(self).__name__}.state_dict()"
+        check_idle(self, what)
+        for name, table in self.tables.items():
+            for k, v in snapshot.state(table, f"{what}, table {name!r}").items():
+                destination[f"{prefix}tables.{name}.{k}"] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,  # noqa: ANN001
                               missing_keys, unexpected_keys, error_msgs):
         """Restores each table exactly from a state of the same geometry (else ConfigError
-        naming the difference)."""
-        super()._load_from_state_dict(without_tables(state_dict, prefix), prefix,
-                                      local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        load_tables_state(self, self.tables, state_dict, prefix, missing_keys, unexpected_keys)
+        naming the difference). Every table's entries are checked before any table changes; as
+        torch does for parameters, the tables whose entries are all there load, and missing or
+        unknown entries are reported (``load_state_dict`` raises on them unless
+        ``strict=False``)."""
+        ours = f"{prefix}tables."
+        super()._load_from_state_dict(
+            {k: v for k, v in state_dict.items() if not k.startswith(ours)}, prefix,
+            local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if leaving_tables_out():
+            return
+        what = f"{type(self).__name__}.load_state_dict()"
+        check_idle(self, what)
+        found = {k[len(ours):] for k in state_dict if k.startswith(ours)}
+        plans = []
+        for name, table in self.tables.items():
+            need = [f"{name}.{n}" for n in snapshot.names(table)]
+            absent = [ours + n for n in need if n not in found]
+            found.difference_update(need)
+            if absent:
+                missing_keys.extend(absent)
+                continue
+            entries = {n[len(name) + 1:]: state_dict[ours + n] for n in need}
+            plans.append((table, entries,
+                          snapshot.checked(table, entries, f"{what}, table {name!r}")))
+        unexpected_keys.extend(ours + k for k in sorted(found))
+        for table, entries, meta in plans:
+            snapshot.load(table, entries, meta, f"{what}, table {table.name!r}")
 
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),
