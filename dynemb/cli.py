@@ -87,8 +87,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "instead of planning them at start-up (embeddings.plan)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set data.split=time (repeatable); "
-                        "the sections are data, model, embeddings and dense_optimizer, the "
-                        "rest are top-level fields (--print-config lists them all)")
+                        "the sections are data, model, embeddings (per-table settings in "
+                        "embeddings.tables), dense_optimizer and pipeline, the rest are "
+                        "top-level fields (--print-config lists them all)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every field, with its meaning) as YAML "
                         "that --config reads back, and exit without training")

@@ -140,6 +140,8 @@ class ShardedCollection(TablesStayPut):
         self._received = [[0, 0] for _ in tables]  # per table: ids, unique keys
         self._bytes_sent = 0
         self._scratch = {c.name: Scratch() for c in tables}
+        self._pending_counters: tuple | None = None
+        self.register_load_state_dict_post_hook(ShardedCollection._apply_counters)
 
     def _build_shards(self, tables: list[TableConfig], device: torch.device | str | None,
                       backend: str | None) -> torch.nn.Module:
@@ -313,7 +315,8 @@ class ShardedCollection(TablesStayPut):
 
     def _sharding(self) -> dict:
         return {"world_size": self.world_size, "rank": self.rank,
-                "routing": {c.name: c.routing.value for c in self.configs}}
+                "routing": {c.name: c.routing.value for c in self.configs},
+                "id_range": {c.name: c.id_range for c in self.configs}}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
         """``{prefix}sharding``: the world size, this rank and the routing of each table (what
@@ -331,15 +334,17 @@ class ShardedCollection(TablesStayPut):
         """Checks the state was saved by this rank of a collection sharded the same way (else
         ConfigError, before any shard changes: the shards load next, as children)."""
         key = f"{prefix}sharding"
+        self._pending_counters = None
         rest = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if leaving_tables_out():
             return
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
         what = f"{type(self).__name__}.load_state_dict()"
+        if key not in state_dict:  # even with strict=False: shards of unknown cut never load
+            raise ConfigError(f"{what}: the state has no {key!r} entry (which world size, rank "
+                              "and routing its shards were cut by), so its shards cannot be "
+                              "checked; expected a sharded collection's state_dict().")
         check_idle(self, what)
         saved = snapshot.decode(state_dict[key], f"{what}: {key!r}")
         own = self._sharding()
@@ -351,8 +356,22 @@ class ShardedCollection(TablesStayPut):
                 "A state_dict reloads on the rank of the world size it was saved on; to load "
                 "rows into another world size save with dynemb.checkpoint.save and load with "
                 "dynemb.checkpoint.load(..., reshard=True).")
-        self._steps, self._bytes_sent = saved["steps"], saved["bytes_sent"]
-        self._received = [list(r) for r in saved["received"]]
+        received = saved.get("received")
+        if not (isinstance(received, list) and len(received) == len(self.configs)
+                and all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
+                        for r in received)
+                and isinstance(saved.get("steps"), int)
+                and isinstance(saved.get("bytes_sent"), int)):
+            raise ConfigError(f"{what}: {key!r} lacks the load counters a state_dict() writes.")
+        self._pending_counters = (saved["steps"], saved["bytes_sent"], received)
+
+    def _apply_counters(self, incompatible) -> None:  # noqa: ANN001  (a torch post hook)
+        """After the shards loaded (a load-state-dict post hook): the load counters of the
+        state, so that a refused load changes nothing here."""
+        pending, self._pending_counters = self._pending_counters, None
+        if pending is not None:
+            self._steps, self._bytes_sent, received = pending
+            self._received = [list(r) for r in received]
 
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),

@@ -59,8 +59,9 @@ class DLRM(nn.Module):
             The interaction takes dot products of vectors of one dimension: without
             ``interaction_dim`` every table must have the same dim.
         interaction_dim: the vectors' dimension; a table of another dim is projected to it by a
-            linear layer without bias (``projections[feature]``), as DLRM variants with mixed
-            dims do. None: the tables' one dim.
+            linear layer without bias (``projections[str(i)]`` for the i-th feature, keyed by
+            position: a feature name may hold a dot), as DLRM variants with mixed dims do.
+            None: the tables' one dim.
         bottom_mlp: hidden sizes of the bottom MLP; its output has ``dim`` units (ReLU).
         top_mlp: hidden sizes of the top MLP; its output is one logit.
         device: where the tables and the dense layers live.
@@ -84,9 +85,9 @@ class DLRM(nn.Module):
         self.embeddings: nn.Module = EmbeddingBagCollection(tables, device=device,
                                                             backend=backend)
         self.feature_names = tuple(f for t in tables for f in t.features)
-        self.projections = nn.ModuleDict({f: nn.Linear(t.dim, self.dim, bias=False)
-                                          for t in tables if t.dim != self.dim
-                                          for f in t.features})
+        dims_of = [t.dim for t in tables for _ in t.features]
+        self.projections = nn.ModuleDict({str(i): nn.Linear(d, self.dim, bias=False)
+                                          for i, d in enumerate(dims_of) if d != self.dim})
         self.bottom = (mlp([dense_dim, *bottom_mlp, self.dim], last_activation=True)
                        if dense_dim else None)
         n = len(self.feature_names) + (1 if dense_dim else 0)
@@ -115,8 +116,8 @@ class DLRM(nn.Module):
                              f"features {dense.shape[0]}; expected them equal.")
         out = self.embeddings(sparse)
         if self.projections:
-            vectors = torch.stack([self.projections[f](out[f]) if f in self.projections
-                                   else out[f] for f in self.feature_names], dim=1)
+            vectors = torch.stack([self.projections[str(i)](out[f]) if str(i) in self.projections
+                                   else out[f] for i, f in enumerate(self.feature_names)], dim=1)
         else:
             emb = out.values()
             vectors = emb.view(emb.shape[0], len(self.feature_names), self.dim)

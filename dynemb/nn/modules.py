@@ -289,9 +289,9 @@ class _Collection(TablesStayPut):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
         """Each table's state as tensors that view its live storage (``dynemb.table.snapshot``):
-        ``{prefix}tables.{name}.{array}``."""
+        ``{prefix}tables.{name}.{array}``; none for a collection never built (used)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if leaving_tables_out():
+        if leaving_tables_out() or not self.built:  # never built: nothing to save, none built
             return
         what = f"{type(self).__name__}.state_dict()"
         check_idle(self, what)
@@ -310,11 +310,11 @@ class _Collection(TablesStayPut):
         super()._load_from_state_dict(
             {k: v for k, v in state_dict.items() if not k.startswith(ours)}, prefix,
             local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if leaving_tables_out():
-            return
+        found = {k[len(ours):] for k in state_dict if k.startswith(ours)}
+        if leaving_tables_out() or (not found and not self.built):
+            return  # a state of a collection never built: this one stays unbuilt too
         what = f"{type(self).__name__}.load_state_dict()"
         check_idle(self, what)
-        found = {k[len(ours):] for k in state_dict if k.startswith(ours)}
         plans = []
         for name, table in self.tables.items():
             need = [f"{name}.{n}" for n in snapshot.names(table)]
@@ -328,7 +328,7 @@ class _Collection(TablesStayPut):
                           snapshot.checked(table, entries, f"{what}, table {name!r}")))
         unexpected_keys.extend(ours + k for k in sorted(found))
         for table, entries, meta in plans:
-            snapshot.load(table, entries, meta, f"{what}, table {table.name!r}")
+            snapshot.load(table, entries, meta)
 
     def extra_repr(self) -> str:
         return "\n".join([*map(describe_table, self.configs),

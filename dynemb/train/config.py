@@ -140,6 +140,10 @@ class ModelConfig:
             object.__setattr__(self, name, _check_sizes("ModelConfig", name, getattr(self, name)))
 
 
+STORAGE_FIELDS = ("storage", "cache_load_factor", "ddr_path")
+"""The settings that make one ``Storage`` together."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TableSettings:
     """Settings of the tables whose feature ``match`` names; null keeps the default."""
@@ -190,9 +194,9 @@ class TableSettings:
             _check_int(own, "dim", self.dim, 1, 4096)
 
     def matches(self, feature: str) -> bool:
-        """Whether ``feature``'s table takes these settings."""
+        """Whether ``feature``'s table takes these settings (its name, or a glob pattern)."""
         names = (self.match,) if isinstance(self.match, str) else self.match
-        return any(fnmatch.fnmatchcase(feature, n) for n in names)
+        return any(feature == n or fnmatch.fnmatchcase(feature, n) for n in names)
 
     def overrides(self) -> dict[str, object]:
         """The settings given (not null) that ``EmbeddingConfig`` also has."""
@@ -260,12 +264,12 @@ class EmbeddingConfig:
     """Training batches whose ids are each table's access profile for the planner: the first
     batches of the run (at most the steps it trains), which it then trains on as usual."""
     tables: tuple[TableSettings, ...] = ()
-    """Per-table settings: a list of ``{match: FEATURE or PATTERN, <setting>: value, ...}``
+    """Per-table settings: a list of ``{match: FEATURE, PATTERN or [GROUP], <setting>: value}``
     (settings: dim, capacity, optimizer, lr, weight_decay, init_std, score, pooling,
     admission_threshold, on_full, routing, storage, cache_load_factor, ddr_path). Each table
     takes the settings above, then those of every entry that matches its feature, in order
-    (so a group's pattern first, then single tables). An entry matching no table is an
-    error."""
+    (so a group's pattern first, then single tables); an entry that sets storage sets its
+    cache_load_factor and ddr_path with it. An entry matching no table is an error."""
 
     def __post_init__(self) -> None:
         own = "EmbeddingConfig"
@@ -281,25 +285,46 @@ class EmbeddingConfig:
         require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
                 "numba, torch or null")
         self._check_planning()
-        require(isinstance(self.tables, tuple)
-                and all(isinstance(t, TableSettings) for t in self.tables), own, "tables",
+        if self.tables is None or isinstance(self.tables, list):  # `tables:` left empty
+            object.__setattr__(self, "tables", tuple(self.tables or ()))
+        require(all(isinstance(t, TableSettings) for t in self.tables), own, "tables",
                 self.tables, "a list of per-table settings ({match: ..., ...})")
         for i, entry in enumerate(self.tables):
-            try:  # each entry's settings, checked as every table's are
-                dataclasses.replace(self, tables=(), **entry.overrides())
+            # each entry's own values, checked as the section's are (the storage settings
+            # alone: the combination a table ends with is checked when its table is made)
+            given = entry.overrides()
+            rest = {k: v for k, v in given.items() if k not in STORAGE_FIELDS}
+            storage = {k: getattr(entry, k) for k in STORAGE_FIELDS}
+            if entry.storage is None:
+                storage["storage"] = StorageMode.AUTO
+            try:
+                dataclasses.replace(self, tables=(), **rest, **storage)
             except ConfigError as error:
                 raise ConfigError(f"EmbeddingConfig.tables[{i}] (match {entry.match!r}): "
                                   f"{error}") from None
 
     def for_table(self, feature: str) -> tuple[EmbeddingConfig, int | None]:
-        """The settings of ``feature``'s table (every matching entry of ``tables`` applied in
-        order) and its dim (None: ``model.embedding_dim``)."""
-        settings, dim = dataclasses.replace(self, tables=()), None
-        for entry in self.tables:
+        """The settings of ``feature``'s table and its dim (None: ``model.embedding_dim``):
+        the section's, then every matching entry's in order. An entry that sets ``storage``
+        sets its cache_load_factor and ddr_path with it (null: planned, in RAM).
+
+        Raises:
+            ConfigError: the settings a table ends with do not go together, naming the table
+                and its entries.
+        """
+        values, dim, used = {}, None, []
+        for i, entry in enumerate(self.tables):
             if entry.matches(feature):
-                settings = dataclasses.replace(settings, **entry.overrides())
+                used.append(i)
+                if entry.storage is not None:
+                    values.update({k: getattr(entry, k) for k in STORAGE_FIELDS})
+                values.update(entry.overrides())
                 dim = entry.dim if entry.dim is not None else dim
-        return settings, dim
+        try:
+            return dataclasses.replace(self, tables=(), **values), dim
+        except ConfigError as error:
+            raise ConfigError(f"table {feature!r} (the section's settings, then "
+                              f"embeddings.tables{used}): {error}") from None
 
     def check_matches(self, features: list[str]) -> None:
         """ConfigError if an entry of ``tables`` matches none of ``features``."""

@@ -68,6 +68,11 @@ def table_configs(config: TrainConfig, source: DataSource) -> list[TableConfig]:
     out = []
     for f in source.features:
         emb, dim = config.embeddings.for_table(f.name)
+        if emb.ddr_path != config.embeddings.ddr_path and not emb.table_storage().planned:
+            raise ConfigError(f"table {f.name!r}: a ddr_path of its own ({emb.ddr_path!r}) "
+                              "with its storage left to the planner, which budgets the ddr "
+                              "tier of embeddings.ddr_path only; pin its storage and "
+                              "cache_load_factor, or set embeddings.ddr_path.")
         admission = (Admission(threshold=emb.admission_threshold)
                      if emb.admission_threshold > 1 else None)
         out.append(TableConfig(

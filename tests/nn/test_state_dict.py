@@ -14,7 +14,7 @@ import torch
 import dynemb
 from dynemb.errors import CheckpointError, ConfigError
 from dynemb.nn import dense_only
-from dynemb.table.snapshot import decode
+from dynemb.table.snapshot import decode, encode
 
 MODES = ["hbm_only", "hybrid", "caching", "caching_mmap"]
 
@@ -151,6 +151,7 @@ def test_another_geometry_is_refused_before_anything_changes(change, named, tmp_
     src = Model(configs("hbm_only", tmp_path))
     train(src, batches(3), torch.optim.SGD(src.parameters(), lr=0.1))
     dst = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path, **change))
+    dst.tables  # noqa: B018  (built: an empty table of its own geometry)
     before = {k: v.clone() for k, v in dst.state_dict().items()}
     with pytest.raises(ConfigError, match=named) as e:
         dst.load_state_dict(src.sparse.state_dict())
@@ -160,6 +161,7 @@ def test_another_geometry_is_refused_before_anything_changes(change, named, tmp_
 
 def test_missing_and_unknown_entries_are_reported_as_torch_reports_them(tmp_path):
     src = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path))
+    src.tables  # noqa: B018  (built: a collection never built saves no tables)
     state = dict(src.state_dict())
     del state["tables.i.rows.hbm"]
     state["tables.i.surprise"] = torch.zeros(1)
@@ -184,6 +186,17 @@ def test_a_lookup_in_flight_is_refused(tmp_path):
         ebc.state_dict()
     t.release(lk)
     ebc.state_dict()
+
+
+def test_a_closed_table_is_refused_not_read(tmp_path):
+    ebc = dynemb.EmbeddingBagCollection(configs("caching_mmap", tmp_path))
+    ebc.tables  # noqa: B018  (built)
+    state = {k: v.clone() for k, v in ebc.state_dict().items()}
+    ebc.close()
+    with pytest.raises(ConfigError, match="table 'u' was closed"):
+        ebc.state_dict()
+    with pytest.raises(ConfigError, match="table 'u' was closed"):
+        ebc.load_state_dict(state)
 
 
 def test_a_pipeline_with_batches_in_flight_is_refused(tmp_path):
@@ -219,3 +232,63 @@ def test_a_checkpoint_still_saves_the_dense_part_alone(tmp_path):
     assert torch.equal(fresh.mlp.weight, m.mlp.weight)
     assert {n: t.size() for n, t in fresh.sparse.tables.items()} == \
         {n: t.size() for n, t in m.sparse.tables.items()}
+
+
+def test_a_kept_state_whose_table_trained_on_is_refused_not_half_applied(tmp_path):
+    m = Model(configs("hbm_only", tmp_path))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    train(m, batches(2), opt)
+    same = m.sparse.state_dict()
+    m.sparse.load_state_dict(same)  # unchanged since: a no-op
+    train(m, batches(1, seed=3), opt)
+    before = {k: v.clone() for k, v in m.sparse.state_dict().items()}
+    with pytest.raises(ConfigError, match="has changed since"):
+        m.sparse.load_state_dict(same)  # its arrays moved on, its meta did not
+    assert_equal_states(m.sparse.state_dict(), before)
+
+
+def test_a_bad_entry_in_a_later_table_changes_no_table(tmp_path):
+    src = Model(configs("hbm_only", tmp_path / "s"))
+    train(src, batches(2), torch.optim.SGD(src.parameters(), lr=0.1))
+    good = {k: v.clone() for k, v in src.sparse.state_dict().items()}
+    dst = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path / "d"))
+    dst.tables["u"].insert_or_assign(torch.tensor([7]), torch.ones(1, 8))
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    meta = decode(good["tables.i.meta"], "meta")
+
+    bad_states = {
+        "a meta without optimizer_step": {"tables.i.meta": encode(
+            {k: v for k, v in meta.items() if k != "optimizer_step"})},
+        "a meta with a string step": {"tables.i.meta": encode({**meta, "step": "7"})},
+        "a float meta": {"tables.i.meta": good["tables.i.meta"].float()},
+        "negative log lengths": {"tables.i.eviction_log.lengths": torch.tensor([-1, 1]),
+                                 "tables.i.eviction_log.steps": torch.tensor([1, 2])},
+    }
+    for why, change in bad_states.items():
+        with pytest.raises(ConfigError):
+            dst.load_state_dict({**good, **change})
+        assert_equal_states(dst.state_dict(), before), why
+    lk = dst.tables["i"].lookup(torch.tensor([1]), train=True, hold=True)
+    with pytest.raises(ConfigError, match="held by lookups in flight"):
+        dst.load_state_dict(good)
+    dst.tables["i"].release(lk)
+    assert torch.equal(dst.state_dict()["tables.u.rows.hbm"], before["tables.u.rows.hbm"])
+    assert dst.tables["u"].size() == 1  # "u" was not loaded before "i" refused
+
+
+def test_a_numpy_lookup_score_is_saved(tmp_path):
+    import numpy as np
+
+    cfg = [dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=128,
+                              score=dynemb.ScorePolicy.CUSTOM)]
+    ebc = dynemb.EmbeddingBagCollection(cfg)
+    ebc.tables["t"].lookup_score = np.int64(5)
+    assert decode(ebc.state_dict()["tables.t.meta"], "meta")["lookup_score"] == 5
+
+
+def test_a_collection_never_built_saves_no_tables_and_builds_none(tmp_path):
+    ebc = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path))
+    assert ebc.state_dict() == {} and not ebc.built
+    other = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path))
+    other.load_state_dict(ebc.state_dict())
+    assert not other.built

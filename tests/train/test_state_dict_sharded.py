@@ -90,6 +90,17 @@ def job(rank: int, world_size: int) -> dict:
         out["other rank"] = str(e)
     out["unchanged"] = all(torch.equal(x, y) for x, y in zip(before.values(),
                                                               c.state_dict().values()))
+    own = torch.load(io.BytesIO(mine), weights_only=True)
+    try:  # no 'sharding': the shards' cut is unknown, so they never load, strict or not
+        c.load_state_dict({k: v for k, v in own.items() if k != "sparse.sharding"},
+                          strict=False)
+    except ConfigError as e:
+        out["no sharding"] = str(e)
+    bad = {**own, "sparse.local.tables.u.rows.hbm": own["sparse.local.tables.u.rows.hbm"].double()}
+    try:  # a shard refused: the load counters stay as they were too
+        c.load_state_dict(bad)
+    except ConfigError as e:
+        out["bad shard"] = (str(e), c.sparse._steps, c.sparse._bytes_sent)
     solo = dist.new_group([0])  # every rank makes it; rank 0 alone shards over it
     if rank == 0:
         try:
@@ -108,4 +119,7 @@ def test_a_sharded_state_dict_reloads_exactly_on_its_rank_and_nowhere_else(tmp_p
         assert r["routing stats"][0] == r["routing stats"][1]
         assert f"rank {1 - rank} in the state but {rank} here" in r["other rank"]
         assert "reshard=True" in r["other rank"] and r["unchanged"]
+        assert "has no 'sparse.sharding' entry" in r["no sharding"]
+        assert "'rows.hbm' is torch.float64" in r["bad shard"][0]
+        assert r["bad shard"][1:] == (0, 0)
     assert "world_size 2 in the state but 1 here" in results[0]["other world"]

@@ -114,16 +114,17 @@ def test_the_settings_round_trip_through_yaml_and_print_config():
 
 def test_dlrm_projects_tables_of_other_dims_to_the_interaction_dim():
     tables = [dynemb.TableConfig(name=n, dim=d, features=[n], capacity=64)
-              for n, d in (("a", 4), ("b", 8), ("c", 16))]
+              for n, d in (("a.x", 4), ("b", 8), ("keys", 16))]  # names a ModuleDict refuses
     with pytest.raises(ConfigError, match="give interaction_dim="):
         DLRM(dense_dim=2, tables=tables)
     model = DLRM(dense_dim=2, tables=tables, interaction_dim=8)
-    assert sorted(model.projections) == ["a", "c"]
-    assert model.projections["c"].weight.shape == (8, 16)
-    batch = dynemb.SparseBatch.from_dict({"a": [[1], [2]], "b": [[3], [4]], "c": [[5], []]})
+    assert sorted(model.projections) == ["0", "2"]  # by position
+    assert model.projections["2"].weight.shape == (8, 16)
+    batch = dynemb.SparseBatch.from_dict({"a.x": [[1], [2]], "b": [[3], [4]],
+                                          "keys": [[5], []]})
     logits = model(torch.randn(2, 2), batch)
     logits.sum().backward()
-    assert logits.shape == (2,) and model.projections["a"].weight.grad is not None
+    assert logits.shape == (2,) and model.projections["0"].weight.grad is not None
 
 
 def test_a_run_with_per_table_settings_trains(tmp_path):
@@ -138,3 +139,42 @@ def test_a_run_with_per_table_settings_trains(tmp_path):
     user, item = m["tables"]["user"], m["tables"]["item"]
     assert user["ddr_bytes"] > 0 and item["ddr_bytes"] == 0  # caching, hbm_only
     assert 1000 <= user["capacity"] < 1200 and user["lookups"] == 20 * 64  # whole buckets
+
+
+def test_storage_settings_layer_per_table_and_an_entry_setting_storage_restarts_them():
+    cfg = config("""
+embeddings:
+  storage: hybrid
+  cache_load_factor: 0.5
+  tables:
+    - {match: "u*", storage: caching}
+    - {match: user, cache_load_factor: 0.25}
+    - {match: item, storage: hbm_only}
+""")
+    tables = {t.name: t for t in table_configs(cfg, MovieLens100K())}
+    assert tables["user"].storage.mode == dynemb.StorageMode.CACHING
+    assert tables["user"].storage.cache_load_factor == 0.25
+    assert tables["item"].storage.mode == dynemb.StorageMode.HBM_ONLY  # not hybrid's 0.5
+    assert tables["zip"].storage.mode == dynemb.StorageMode.HYBRID
+
+
+def test_settings_that_only_clash_together_name_the_table_and_its_entries():
+    cfg = config("""
+embeddings:
+  tables:
+    - {match: user, storage: hbm_only}
+    - {match: [user, item], cache_load_factor: 0.5}
+""")
+    with pytest.raises(ConfigError, match=r"table 'user' \(the section's settings, then "
+                                          r"embeddings\.tables\[0, 1\]\): .*do not go together"):
+        table_configs(cfg, MovieLens100K())
+
+
+def test_an_empty_list_a_literal_name_and_a_ddr_path_left_to_the_planner():
+    assert config("embeddings: {tables: null}").embeddings.tables == ()
+    from dynemb.train.config import TableSettings
+
+    assert TableSettings(match="f[0]").matches("f[0]")  # a name is itself, glob characters or not
+    cfg = config("embeddings: {storage: auto, tables: [{match: user, ddr_path: /tmp/x}]}")
+    with pytest.raises(ConfigError, match="table 'user': a ddr_path of its own"):
+        table_configs(cfg, MovieLens100K())
