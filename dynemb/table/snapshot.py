@@ -184,7 +184,7 @@ def checked(table: DynamicTable, entries: dict[str, object], what: str) -> dict:
         raise ConfigError(f"{what}: the eviction_log entries do not fit together (int64 steps, "
                           "lengths >= 0 and keys of one log that was started).")
     live = arrays(table)
-    if any(entries[n].data_ptr() == t.data_ptr() for n, t in live.items()) \
+    if any(t.numel() and entries[n].data_ptr() == t.data_ptr() for n, t in live.items()) \
             and meta != meta_of(table):
         raise ConfigError(f"{what}: the state's arrays are this table's own storage (a "
                           "state_dict() taken earlier and neither saved nor cloned), and the "
