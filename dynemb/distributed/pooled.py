@@ -219,7 +219,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def stage_lookup(self, staged: Staged) -> None:
         """Owner lookups (rows held until backward when a pipeline drives the collection),
         pooling, and the start of the output all-to-all."""
-        inp, hold = staged.state, staged.updates and self._stages is not None
+        inp, hold = staged.state, self._holds(staged)
         with self._timed("lookup"):
             weighted = [inp.weighted(r) for r in range(self.world_size)]
             owners, error = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_pooled(

@@ -131,7 +131,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
     def stage_lookup(self, staged: Staged) -> None:
         """Owner lookups (rows held until backward when a pipeline drives the collection) and
         the start of the row all-to-all."""
-        inp, hold = staged.state, staged.updates and self._stages is not None
+        inp, hold = staged.state, self._holds(staged)
         with self._timed("lookup"):
             owners, error = self.resolve_owners(inp, lambda t, config, counts, chunks: parse_sequence(
                 chunks, counts, counts_occurrences(config, inp.training)), hold)

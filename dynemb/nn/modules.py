@@ -398,9 +398,10 @@ class _Collection(TablesStayPut):
         return staged
 
     def _lookup(self, table: DynamicTable, keys: torch.Tensor, staged: Staged) -> Lookup:
-        """The table's lookup of a staged batch's keys; when a pipeline drives the collection
-        and the batch will update, its rows are held until its backward (or its release)."""
-        if staged.updates and self._stages is not None:
+        """The table's lookup of a staged batch's keys; when a pipeline that pulls ahead drives
+        the collection and the batch will update, its rows are held until its backward (or its
+        release)."""
+        if self._holds(staged):
             lk = table.lookup(keys, train=self.training, hold=True)
             staged.holds.append((table, lk))
             return lk

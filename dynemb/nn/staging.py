@@ -57,8 +57,11 @@ class Staged:
 class StageQueue:
     """The batches a pipeline staged on one collection, oldest first, and the stage timers."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, *, hold_rows: bool = True) -> None:
         self.owner = owner
+        self.hold_rows = hold_rows
+        """Whether a staged lookup holds its rows until its backward: needed where another
+        batch's stages can run in between (a pipeline that pulls ahead), not otherwise."""
         self.queue: deque[Staged] = deque()
         self.seconds = dict.fromkeys(STAGES, 0.0)
 
@@ -87,6 +90,10 @@ class Stageable(torch.nn.Module):
     """What a collection needs to be driven by a pipeline (mixed into the collections)."""
 
     _stages: StageQueue | None = None
+
+    def _holds(self, staged: Staged) -> bool:
+        """Whether ``staged``'s lookup holds its rows (see :attr:`StageQueue.hold_rows`)."""
+        return staged.updates and self._stages is not None and self._stages.hold_rows
 
     def attach(self, queue: StageQueue) -> None:
         """Lets a pipeline drive this collection (one pipeline at a time)."""

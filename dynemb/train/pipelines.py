@@ -151,7 +151,10 @@ class TrainPipeline:
         if self._agree and dist.get_backend(self._group) == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.name = f"{kind!r} (rank {dist.get_rank(self._group) if self._agree else 0})"
-        self._queues = [StageQueue(self.name) for _ in self.collections]
+        # lead 0 (base): no other batch's stage runs between a lookup and its backward, so
+        # nothing could evict its rows; holding them would only cost time
+        self._queues = [StageQueue(self.name, hold_rows=LEAD[kind] > 0)
+                        for _ in self.collections]
         self.streams = Streams(self.collections[0].device)
         attached = []
         try:
