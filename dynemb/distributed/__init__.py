@@ -16,7 +16,8 @@ and is collective (every rank calls it, with the same tables). See docs/sharding
 
 from __future__ import annotations
 
-from dynemb.distributed.base import InputDist, ShardedCollection
+from dynemb.distributed.base import ShardedCollection
+from dynemb.distributed.input_dist import InputDist
 from dynemb.distributed.comm import group_size_rank, raise_together
 from dynemb.distributed.pooled import ShardedEmbeddingBagCollection
 from dynemb.distributed.routing import (

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from dynemb.batch import SparseBatch, check_feature_policy
 from dynemb.config import NonFinite, TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.input_dist import TableRequest, counts_occurrences, payload_size
+from dynemb.distributed.input_dist import (
+    InputDist, TableRequest, counts_occurrences, payload_size,
+)
 from dynemb.distributed.routing import shard_config
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats
 from dynemb.distributed.owner import OwnerTable, Scratch
@@ -28,56 +30,6 @@ from dynemb.table import snapshot
 from dynemb.table.table import DynamicTable
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InputDist:
-    """One step's input distribution: the local requests, every rank's header, and the id
-    all-to-all (in flight until :meth:`wait`)."""
-
-    batch: SparseBatch
-    requests: list[TableRequest]
-    headers: comm.Headers
-    recv_sizes: list[list[int]]
-    """``[r][t]``: int64 payload elements rank r sent here for table t."""
-    flags: int
-    """This rank's flags (``comm.F_*``); the training and grad bits agree on every rank."""
-    pending: comm.Pending
-    step: int
-    """The collection's forward call this input belongs to (1, 2, ...; the same on every rank)."""
-    module: ShardedCollection
-    """The collection it came from (whose :meth:`~ShardedCollection.transport` names a peer lost
-    while the ids are in flight)."""
-
-    def wait(self) -> InputDist:
-        """Blocks until the ids have arrived; returns self (``pooled(input_dist(b).wait())``)."""
-        with self.module.transport(comm.step_name(comm.PHASE_FORWARD, self.step), "id all-to-all"):
-            self.pending.wait()
-        return self
-
-    @property
-    def training(self) -> bool:
-        return bool(self.flags & comm.F_TRAINING)
-
-    @property
-    def grad(self) -> bool:
-        return bool(self.flags & comm.F_GRAD)
-
-    def weighted(self, r: int) -> bool:
-        return bool(self.headers.flags(r) & comm.F_WEIGHTED)
-
-    def wants_wgrad(self, r: int) -> bool:
-        return bool(self.headers.flags(r) & comm.F_WANTS_WGRAD)
-
-    @property
-    def any_wants_wgrad(self) -> bool:
-        """Whether some rank's weights need a gradient (then backward returns them)."""
-        return any(self.wants_wgrad(r) for r in range(len(self.headers.rows)))
-
-    def received(self) -> list[list[torch.Tensor]]:
-        """``[t][r]``: the int64 payload of rank r for table t (waits for them)."""
-        self.wait()
-        return comm.unpack(self.pending.wait(), self.recv_sizes)
 
 
 @dataclass
@@ -347,9 +299,7 @@ class ShardedCollection(TablesStayPut):
                               "checked; expected a sharded collection's state_dict().")
         check_idle(self, what)
         saved = snapshot.decode(state_dict[key], f"{what}: {key!r}")
-        own = self._sharding()
-        diff = [f"{k} {saved.get(k)!r} in the state but {v!r} here" for k, v in own.items()
-                if saved.get(k) != v]
+        diff = snapshot.differences(saved, self._sharding())
         if diff:
             raise ConfigError(
                 f"{what}: the state was saved from shards cut another way: {'; '.join(diff)}. "

@@ -1,5 +1,6 @@
-"""The requesting side of the input distribution: one table's ids, deduplicated, routed and
-grouped by owner rank, laid out as the int64 payload each owner receives.
+"""The input distribution. The requesting side: one table's ids, deduplicated, routed and
+grouped by owner rank, laid out as the int64 payload each owner receives; and
+:class:`InputDist`, one step's distribution in flight.
 
 For a table with F features, a local batch of B samples and N ids (its features' ids, feature
 after feature), the payload for owner o is, in this order:
@@ -18,12 +19,17 @@ after feature), the payload for owner o is, in this order:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dynemb.batch import SparseBatch, check_lengths
 from dynemb.config import ScorePolicy, TableConfig
+from dynemb.distributed import comm
 from dynemb.distributed.routing import route_table
+
+if TYPE_CHECKING:
+    from dynemb.distributed.base import ShardedCollection
 
 
 def counts_occurrences(config: TableConfig, training: bool) -> bool:
@@ -162,3 +168,53 @@ def _interleave(sections: list[tuple[torch.Tensor, ...]], world_size: int
     pieces = [s[r] for r in range(world_size) for s in sections]
     splits = [sum(s[r].numel() for s in sections) for r in range(world_size)]
     return torch.cat(pieces), splits
+
+
+@dataclass
+class InputDist:
+    """One step's input distribution: the local requests, every rank's header, and the id
+    all-to-all (in flight until :meth:`wait`)."""
+
+    batch: SparseBatch
+    requests: list[TableRequest]
+    headers: comm.Headers
+    recv_sizes: list[list[int]]
+    """``[r][t]``: int64 payload elements rank r sent here for table t."""
+    flags: int
+    """This rank's flags (``comm.F_*``); the training and grad bits agree on every rank."""
+    pending: comm.Pending
+    step: int
+    """The collection's forward call this input belongs to (1, 2, ...; the same on every rank)."""
+    module: ShardedCollection
+    """The collection it came from (whose :meth:`~ShardedCollection.transport` names a peer lost
+    while the ids are in flight)."""
+
+    def wait(self) -> InputDist:
+        """Blocks until the ids have arrived; returns self (``pooled(input_dist(b).wait())``)."""
+        with self.module.transport(comm.step_name(comm.PHASE_FORWARD, self.step), "id all-to-all"):
+            self.pending.wait()
+        return self
+
+    @property
+    def training(self) -> bool:
+        return bool(self.flags & comm.F_TRAINING)
+
+    @property
+    def grad(self) -> bool:
+        return bool(self.flags & comm.F_GRAD)
+
+    def weighted(self, r: int) -> bool:
+        return bool(self.headers.flags(r) & comm.F_WEIGHTED)
+
+    def wants_wgrad(self, r: int) -> bool:
+        return bool(self.headers.flags(r) & comm.F_WANTS_WGRAD)
+
+    @property
+    def any_wants_wgrad(self) -> bool:
+        """Whether some rank's weights need a gradient (then backward returns them)."""
+        return any(self.wants_wgrad(r) for r in range(len(self.headers.rows)))
+
+    def received(self) -> list[list[torch.Tensor]]:
+        """``[t][r]``: the int64 payload of rank r for table t (waits for them)."""
+        self.wait()
+        return comm.unpack(self.pending.wait(), self.recv_sizes)

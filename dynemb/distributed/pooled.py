@@ -26,7 +26,8 @@ import torch
 from dynemb.batch import SparseBatch
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.base import FloatExchange, InputDist, ShardedCollection
+from dynemb.distributed.base import FloatExchange, ShardedCollection
+from dynemb.distributed.input_dist import InputDist
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, plan_pooled
 from dynemb.distributed.owner import OwnerTable, parse_pooled
 from dynemb.nn.modules import EmbeddingBagCollection, KeyedEmbeddings

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from dynemb.batch import SparseBatch
 from dynemb.config import TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.base import FloatExchange, InputDist, ShardedCollection
+from dynemb.distributed.base import FloatExchange, ShardedCollection
+from dynemb.distributed.input_dist import InputDist
 from dynemb.distributed.input_dist import TableRequest, counts_occurrences, plan_sequence
 from dynemb.distributed.owner import OwnerTable, parse_sequence
 from dynemb.errors import InputError

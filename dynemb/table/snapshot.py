@@ -57,6 +57,12 @@ def decode(t: object, what: str) -> dict:
                           f"{type(t).__name__} that does not decode ({e}).") from None
 
 
+def differences(saved: dict, own: dict) -> list[str]:
+    """``"<key> <saved> in the state but <own> here"`` for each key of ``own`` that differs."""
+    return [f"{k} {saved.get(k)!r} in the state but {v!r} here" for k, v in own.items()
+            if saved.get(k) != v]
+
+
 def _indexes(table: DynamicTable) -> dict[str, HashIndex]:
     out = {"index": table.index}
     if table.cache is not None:
@@ -157,9 +163,7 @@ def checked(table: DynamicTable, entries: dict[str, object], what: str) -> dict:
     check_quiet(table, what)
     meta = decode(entries["meta"], f"{what}: 'meta'")
     _check_meta(meta, table.admission is not None, table.cache is not None, what)
-    saved, own = meta.get("geometry", {}), geometry(table)
-    diff = [f"{k} {saved.get(k)!r} in the state but {v!r} here" for k, v in own.items()
-            if saved.get(k) != v]
+    diff = differences(meta.get("geometry", {}), geometry(table))
     if diff:
         raise ConfigError(f"{what}: the state was saved from a table of another geometry: "
                           f"{'; '.join(diff)}. load_state_dict needs the table it was saved "

@@ -181,7 +181,7 @@ class TableSettings:
 
     def __post_init__(self) -> None:
         own = "TableSettings"
-        names = (self.match,) if isinstance(self.match, str) else self.match
+        names = self._names()
         require(isinstance(names, tuple) and len(names) > 0
                 and all(isinstance(n, str) and n != "" for n in names), own, "match",
                 self.match, "a feature name or glob pattern, or a non-empty list of them")
@@ -193,10 +193,12 @@ class TableSettings:
         if self.dim is not None:
             _check_int(own, "dim", self.dim, 1, 4096)
 
+    def _names(self) -> object:
+        return (self.match,) if isinstance(self.match, str) else self.match
+
     def matches(self, feature: str) -> bool:
         """Whether ``feature``'s table takes these settings (its name, or a glob pattern)."""
-        names = (self.match,) if isinstance(self.match, str) else self.match
-        return any(feature == n or fnmatch.fnmatchcase(feature, n) for n in names)
+        return any(feature == n or fnmatch.fnmatchcase(feature, n) for n in self._names())
 
     def overrides(self) -> dict[str, object]:
         """The settings given (not null) that ``EmbeddingConfig`` also has."""
