@@ -58,7 +58,7 @@ def test_table_ops_smoke(tmp_path):
         if r["load_factor"] == 0.9:  # new keys into a nearly full table: eviction is measured
             assert r["dynemb"]["find_or_insert_evicted_keys_per_call"] > 0
             assert r["dynemb"]["find_or_insert_new_keys_per_call"] > 0
-    assert len(rec["targets"]) == 4
+    assert len(rec["targets"]) == 6  # find, find_or_insert, insert_or_assign x zipf, uniform
     assert all(positive(t["measured_mkeys_per_s"]) for t in rec["targets"])
 
 

@@ -9,17 +9,25 @@ Index operations: ``find(ix, keys, custom, policy, step, touch, pin, prev=None)`
 touches), ``insert(ix, keys, custom, policy, step, atomic=False)`` (``atomic``: every key is
 placed or nothing changes), ``finish``, ``unpin`` (both free the pins of a lookup's slots;
 the pins of slots held by lookups in flight, their hold counts, are put back afterwards, which
-costs nothing when the index holds none: ``HashIndex.held_pins``), ``erase``.
+costs nothing when the index holds none: ``HashIndex.held_pins``), ``erase``, and ``lookup``,
+one call's find, insert and numbering (:class:`Resolved`): the torch backend runs the steps
+above one after another, the numba backend fuses them (``kernels.lookup_numba``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from dynemb.config import Initializer, InitKind
 from dynemb.errors import ConfigError
+from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels import index_numba as inb
 from dynemb.kernels import index_torch as ito
+from dynemb.kernels import lookup_numba as lnb
 from dynemb.kernels import pooling_numba as pnb
 from dynemb.kernels import pooling_torch as pto
 from dynemb.kernels import rows_numba as rnb
@@ -48,6 +56,81 @@ def init_params(init: Initializer, device: torch.device) -> tuple[int, float, fl
 
 def _np(t: torch.Tensor):
     return t.detach().numpy()
+
+
+class Resolved(NamedTuple):
+    """One call's keys (N,) resolved against an index (``lookup``).
+
+    An atomic call where some key got no slot has changed nothing: only ``failed`` counts then.
+    """
+
+    inverse: torch.Tensor
+    """(N,) int64: the entry of each occurrence."""
+    unique_slots: torch.Tensor
+    """(U,) int64: each entry's slot, -1 for none (every occurrence without a slot is an entry)."""
+    unique_pos: torch.Tensor
+    """(U,) int64: each entry's first occurrence."""
+    slots: torch.Tensor
+    """(N,) int64: each occurrence's slot or -1."""
+    inserted: torch.Tensor | None
+    """(N,) bool: the occurrences that created a row (None for a call that inserts nothing)."""
+    fresh: torch.Tensor
+    """(F,) int64: those occurrences, in the order they inserted."""
+    evicted: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """(keys, slots, scores) of the rows evicted, in order."""
+    failed: int
+    """Occurrences that got no slot (not counting those admission kept out)."""
+    tiers: list[int]
+    """Hits in hbm, hits in ddr, misses in hbm, misses in ddr: a key's occurrences hit when it
+    had a row before the call; a miss is in the tier of the key's home bucket."""
+    miss: torch.Tensor | None
+    """(M,) int64: the occurrences without a row before the call, when admission judged them."""
+
+
+Admit = Callable[[torch.Tensor], torch.Tensor]
+"""Admission: the positions (M,) of occurrences without a row -> the positions it lets in."""
+
+
+def _tiers(ix, keys: torch.Tensor, slots: torch.Tensor, hbm_rows: int) -> list[int]:
+    """``Resolved.tiers`` of a find's ``slots`` (vectorised)."""
+    hit = slots >= 0
+    in_hbm = slots < hbm_rows
+    mk = keys[~hit]
+    miss_hbm = home_bucket(mk, index_hash(mk), ix.num_buckets, ix.split) < ix.split
+    return torch.stack([(hit & in_hbm).sum(), (hit & ~in_hbm).sum(), miss_hbm.sum(),
+                        (~miss_hbm).sum()]).tolist()
+
+
+def staged_lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool,
+                  atomic: bool, admit: Admit | None, hbm_rows: int) -> Resolved:
+    """``lookup`` as its steps: ``find`` (touching and pinning), admission, ``insert`` of the
+    admitted misses, ``finish``. The reference for the numba backend's fused lookup."""
+    prev = torch.empty_like(keys) if atomic and touch else None
+    slots = be.find(ix, keys, custom, policy, step, touch, True, prev)
+    tiers = _tiers(ix, keys, slots, hbm_rows)
+    inserted, miss = None, None
+    fresh = torch.empty(0, dtype=torch.int64, device=keys.device)
+    ev = (fresh, fresh, fresh)
+    failed = 0
+    if insert:
+        inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+        miss = torch.nonzero(slots < 0).flatten()
+        new = miss if admit is None else admit(miss)
+        if new.numel():
+            mcustom = custom[new] if custom.numel() else custom
+            new_slots, fresh_mask, ev = be.insert(ix, keys[new], mcustom, policy, step, atomic)
+            failed = int((new_slots < 0).sum())
+            if failed and atomic:
+                if prev is not None:
+                    be.restore_scores(ix, slots, prev)
+                be.unpin(ix, slots)
+                return Resolved(slots, slots, slots, slots, None, fresh, ev, failed, tiers, miss)
+            slots[new] = new_slots
+            inserted[new] = fresh_mask
+            fresh = new[fresh_mask]
+    inverse, unique_slots, unique_pos = be.finish(ix, slots)
+    return Resolved(inverse, unique_slots, unique_pos, slots, inserted, fresh, ev, failed, tiers,
+                    None if admit is None else miss)
 
 
 def _put_back(ix, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -82,6 +165,47 @@ class NumbaBackend:
             _np(slots), _np(inserted), _np(ev_keys), _np(ev_slots), _np(ev_scores),
             _np(ix.counts))
         return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
+
+    def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows):
+        """``staged_lookup``'s result, fused: each distinct key probed once
+        (``kernels.lookup_numba``)."""
+        n = keys.numel()
+        m = lnb.set_size(n)
+        set_keys, set_ids = np.empty(m, np.int64), np.full(m, -1, np.int64)
+        inverse, slots, uslot, ufree, upos = (np.empty(n, np.int64) for _ in range(5))
+        journal = np.empty((3 * n if atomic else 0, 5), np.int64)
+        tiers = np.zeros(4, np.int64)
+        nk, cu = _np(keys), _np(custom)
+        ixa = (_np(ix.keys), _np(ix.scores), _np(ix.digests), _np(ix.pins), ix.num_buckets,
+               ix.split, ix.width - 1, policy, step)
+        n_u, n_j = lnb.probe(nk, cu, *ixa, touch, hbm_rows, set_keys, set_ids, inverse, slots,
+                             uslot, ufree, upos, journal, tiers)
+        t = torch.from_numpy
+        inserted, miss, failed = None, None, 0
+        fresh, ev = _NO_PREV, (_NO_PREV, _NO_PREV, _NO_PREV)
+        if insert:
+            ins = np.zeros(n, np.bool_)
+            allowed = np.empty(0, np.bool_)
+            if admit is not None:
+                miss = torch.nonzero(t(slots) < 0).flatten()
+                allowed = np.zeros(n, np.bool_)
+                allowed[admit(miss).numpy()] = True
+            fresh_pos, ev_keys, ev_slots, ev_scores = (np.empty(n, np.int64) for _ in range(4))
+            out = np.zeros(5, np.int64)
+            lnb.place(nk, cu, *ixa, allowed, inverse, slots, uslot, ufree, journal, n_j, ins,
+                      fresh_pos, ev_keys, ev_slots, ev_scores, out)
+            n_ins, n_ev, failed = int(out[0]), int(out[1]), int(out[2])
+            if failed and atomic:
+                lnb.undo(journal, int(out[4]), *ixa[:4])
+                return Resolved(_NO_PREV, _NO_PREV, _NO_PREV, t(slots), None, _NO_PREV, ev,
+                                failed, tiers.tolist(), miss)
+            lnb.count(_np(ix.counts), out)
+            inserted, fresh = t(ins), t(fresh_pos[:n_ins])
+            ev = (t(ev_keys[:n_ev]), t(ev_slots[:n_ev]), t(ev_scores[:n_ev]))
+        unique_slots, unique_pos = np.empty(n, np.int64), np.empty(n, np.int64)
+        u = lnb.number(slots, inverse, uslot, upos, n_u, ixa[3], unique_slots, unique_pos)
+        return Resolved(t(inverse), t(unique_slots[:u]), t(unique_pos[:u]), t(slots), inserted,
+                        fresh, ev, failed, tiers.tolist(), miss)
 
     def finish(self, ix, slots):
         inverse, unique_slots, unique_pos = (torch.empty_like(slots) for _ in range(3))
@@ -143,6 +267,10 @@ class TorchBackend:
 
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         return ito.insert_pass(ix, keys, custom, policy, step, atomic)
+
+    def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows):
+        return staged_lookup(self, ix, keys, custom, policy, step, touch=touch, insert=insert,
+                             atomic=atomic, admit=admit, hbm_rows=hbm_rows)
 
     def finish(self, ix, slots):
         held = ix.held_pins(slots) if ix.held else None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from dynemb.kernels.prefetch import AHEAD, prefetch_row
+
 _kernel = njit(cache=True, error_model="numpy")
 
 
@@ -19,6 +21,7 @@ _kernel = njit(cache=True, error_model="numpy")
 def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
     """Forward: fills ``out`` (B, F·dim) float32. ``weights`` is (N,) or empty."""
     weighted = weights.shape[0] > 0
+    n_ids = inverse.shape[0]
     i = 0
     for bag in range(lengths.shape[0]):
         f = bag // batch
@@ -27,6 +30,8 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
         acc[:] = 0.0
         n = lengths[bag]
         for _ in range(n):
+            if i + AHEAD < n_ids:
+                prefetch_row(rows, src[inverse[i + AHEAD]], False)
             u = inverse[i]
             s = src[u]
             e = rows[s] if s >= 0 else extra[-s - 1]

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from dynemb.kernels.hashing import element_hash_nb, fmix64_nb
+from dynemb.kernels.prefetch import AHEAD, prefetch_row
 
 INIT_NORMAL, INIT_TRUNCATED_NORMAL, INIT_UNIFORM, INIT_CONSTANT = 0, 1, 2, 3
 QUANTILE_BITS = 16
@@ -24,10 +25,12 @@ _LO32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(cache=True, inline="always")
-def _bits32(key_mix, j):
-    """32 random bits for element j of a row."""
-    h = element_hash_nb(key_mix, j >> 1)
-    return (h >> _U32) if j & 1 else (h & _LO32)
+def _normal(a, b, bits, quantiles):
+    """``a + b·x`` for the quantile-table normal draw x of 32 random ``bits``."""
+    i = np.int64(bits >> np.uint64(QUANTILE_BITS))
+    f = np.float64(bits & np.uint64(0xFFFF)) * 2.0**-16
+    q0 = np.float64(quantiles[i])
+    return a + b * (q0 + f * (np.float64(quantiles[i + 1]) - q0))
 
 
 @njit(cache=True, error_model="numpy")
@@ -36,27 +39,35 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
     row = ``state_value``.
 
     ``kind``: INIT_*; ``(a, b)``: (mean, std) for the normals with ``quantiles`` (2**16 + 1,)
-    float32, (low, high) for UNIFORM, (value, -) for CONSTANT.
+    float32, (low, high) for UNIFORM, (value, -) for CONSTANT. Element j takes 32 bits of
+    ``element_hash(key_mix, j // 2)``: the low half for even j, the high half for odd j (one
+    hash per pair of elements).
     """
     width = dst.shape[1]
     tmix = np.uint64(table_mix)
     span = b - a
-    for m in range(keys.shape[0]):
+    n = keys.shape[0]
+    for m in range(n):
+        if m + AHEAD < n:
+            prefetch_row(dst, dst_rows[m + AHEAD], True)
         row = dst[dst_rows[m]]
         key_mix = fmix64_nb(np.uint64(keys[m]) ^ tmix)
         if kind == INIT_CONSTANT:
             for j in range(dim):
                 row[j] = a
-        elif kind == INIT_UNIFORM:
-            for j in range(dim):
-                row[j] = a + span * ((np.float64(_bits32(key_mix, j)) + 0.5) * 2.0**-32)
         else:
-            for j in range(dim):
-                bits = _bits32(key_mix, j)
-                i = np.int64(bits >> np.uint64(QUANTILE_BITS))
-                f = np.float64(bits & np.uint64(0xFFFF)) * 2.0**-16
-                q0 = np.float64(quantiles[i])
-                row[j] = a + b * (q0 + f * (np.float64(quantiles[i + 1]) - q0))
+            for p in range((dim + 1) >> 1):
+                h = element_hash_nb(key_mix, p)
+                lo, hi = h & _LO32, h >> _U32
+                j = 2 * p
+                if kind == INIT_UNIFORM:
+                    row[j] = a + span * ((np.float64(lo) + 0.5) * 2.0**-32)
+                    if j + 1 < dim:
+                        row[j + 1] = a + span * ((np.float64(hi) + 0.5) * 2.0**-32)
+                else:
+                    row[j] = _normal(a, b, lo, quantiles)
+                    if j + 1 < dim:
+                        row[j + 1] = _normal(a, b, hi, quantiles)
         for j in range(dim, width):
             row[j] = state_value
 
@@ -64,7 +75,10 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
 @njit(cache=True)
 def gather(rows, slots, dim, out):
     """``out[u] = rows[slots[u], :dim]`` for slots >= 0 (others are left as they are)."""
-    for u in range(slots.shape[0]):
+    n = slots.shape[0]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], False)
         s = slots[u]
         if s >= 0:
             for j in range(dim):
@@ -74,7 +88,11 @@ def gather(rows, slots, dim, out):
 @njit(cache=True)
 def copy_rows(src, src_rows, dst, dst_rows):
     """``dst[dst_rows[i]] = src[src_rows[i]]`` (whole rows; all indices valid)."""
-    for i in range(src_rows.shape[0]):
+    n = src_rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            prefetch_row(src, src_rows[i + AHEAD], False)
+            prefetch_row(dst, dst_rows[i + AHEAD], True)
         a = src[src_rows[i]]
         b = dst[dst_rows[i]]
         for j in range(a.shape[0]):
@@ -91,7 +109,10 @@ def sgd(rows, slots, grads, lr, wd):
     lr = np.float32(lr)
     wd = np.float32(wd)
     dim = grads.shape[1]
-    for u in range(slots.shape[0]):
+    n = slots.shape[0]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], True)
         s = slots[u]
         if s < 0:
             continue
@@ -107,7 +128,10 @@ def adagrad(rows, slots, grads, clr, eps, wd):
     eps = np.float32(eps)
     wd = np.float32(wd)
     dim = grads.shape[1]
-    for u in range(slots.shape[0]):
+    n = slots.shape[0]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], True)
         s = slots[u]
         if s < 0:
             continue
@@ -128,7 +152,10 @@ def rowwise_adagrad(rows, slots, grads, clr, eps, wd):
     wd = np.float32(wd)
     dim = grads.shape[1]
     inv_dim = np.float32(1.0 / dim)
-    for u in range(slots.shape[0]):
+    n = slots.shape[0]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], True)
         s = slots[u]
         if s < 0:
             continue
@@ -155,7 +182,10 @@ def adam(rows, slots, grads, step_size, beta1, beta2, eps, wd):
     eps = np.float32(eps)
     wd = np.float32(wd)
     dim = grads.shape[1]
-    for u in range(slots.shape[0]):
+    n = slots.shape[0]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], True)
         s = slots[u]
         if s < 0:
             continue

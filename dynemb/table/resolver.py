@@ -23,7 +23,6 @@ from typing import NoReturn
 import torch
 
 from dynemb.config import ScorePolicy, StorageMode, TableConfig
-from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import P_NO_EVICTION
 from dynemb.table.holds import Holding
 from dynemb.table.index import HashIndex
@@ -155,57 +154,31 @@ class SingleIndexResolver(Resolver):
 
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                 custom: torch.Tensor, keep_evicted: bool, saved: Saved | None) -> Lookup:
-        be, ix, life, step = self.backend, self.table_index, self.life, self.state.step
-        atomic = saved is not None
-        prev = torch.empty_like(keys) if atomic and touch else None
-        slots = be.find(ix, keys, custom, self.state.policy, step, touch, True, prev)
+        ix, life = self.table_index, self.life
+        judge = None
+        if insert and admit and life.admission is not None:
+            def judge(miss: torch.Tensor) -> torch.Tensor:
+                return life.admitted(keys, miss, True)
+        r = self.backend.lookup(ix, keys, custom, self.state.policy, self.state.step,
+                                touch=touch, insert=insert, atomic=saved is not None,
+                                admit=judge, hbm_rows=self.layout.hbm_rows)
+        if r.failed and saved is not None:
+            self.refuse(r.failed, saved)  # the lookup changed nothing
         if touch:
-            self._count_tiers(keys, slots)
-        inserted, evicted, failed = None, life.evicted_none(), 0
-        if insert:
-            inserted = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
-            miss = torch.nonzero(slots < 0).flatten()
-            new = life.admitted(keys, miss, admit)
-            if new.numel():
-                mkeys = keys[new]
-                mcustom = custom[new] if custom.numel() else custom
-                new_slots, fresh, ev = be.insert(ix, mkeys, mcustom, self.state.policy, step,
-                                                 atomic)
-                failed = int((new_slots < 0).sum())
-                if failed and atomic:
-                    if prev is not None:
-                        be.restore_scores(ix, slots, prev)
-                    be.unpin(ix, slots)
-                    self.refuse(failed, saved)
-                evicted = life.take_evicted(*ev, with_rows=keep_evicted, offset=0)
-                life.init_rows(ix, new_slots[fresh], mkeys[fresh], 0)
-                slots[new] = new_slots
-                inserted[new] = fresh
-            life.record_admission(keys, miss, slots, admit)
-        inverse, unique_slots, unique_pos = be.finish(ix, slots)
-        if failed:
-            self.on_full(failed)
-        return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_slots, inverse=inverse,
-                      inserted=inserted, evicted=evicted, epoch=self.state.epoch)
-
-    def _count_tiers(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Per-tier hits and misses of a lookup (``slots``: -1 for keys without a row)."""
-        c, split = self.state.counters, self.layout.hbm_rows
-        hit = slots >= 0
-        n_hit = int(hit.sum())
-        if self.layout.mode == StorageMode.HBM_ONLY:
-            c["hbm_hits"] += n_hit
-            c["hbm_misses"] += keys.numel() - n_hit
-            return
-        in_hbm = slots < split
-        c["hbm_hits"] += int((hit & in_hbm).sum())
-        c["ddr_hits"] += int((hit & ~in_hbm).sum())
-        if n_hit < keys.numel():
-            mk = keys[~hit]
-            ix = self.table_index
-            hbm_tier = home_bucket(mk, index_hash(mk), ix.num_buckets, ix.split) < ix.split
-            c["hbm_misses"] += int(hbm_tier.sum())
-            c["ddr_misses"] += int((~hbm_tier).sum())
+            c = self.state.counters
+            for name, n in zip(("hbm_hits", "ddr_hits", "hbm_misses", "ddr_misses"), r.tiers):
+                if n:
+                    c[name] += n
+        evicted = life.take_evicted(*r.evicted, with_rows=keep_evicted, offset=0)
+        if r.fresh.numel():
+            life.init_rows(ix, r.slots[r.fresh], keys[r.fresh], 0)
+        if judge is not None:
+            life.record_admission(keys, r.miss, r.slots, True)
+        if r.failed:
+            self.on_full(r.failed)
+        return Lookup(unique_keys=keys[r.unique_pos], unique_slots=r.unique_slots,
+                      inverse=r.inverse, inserted=r.inserted, evicted=evicted,
+                      epoch=self.state.epoch)
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         return self.table_index.find(keys)

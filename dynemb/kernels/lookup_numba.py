@@ -1,0 +1,307 @@
+"""One compiled lookup (find, insert and numbering) that probes each distinct key once.
+
+The same observable result as ``find_pass`` (touch, pin), ``insert_pass`` on the misses and
+``finish`` of ``kernels.index_numba`` run one after another, which is what the torch backend
+does (``TorchBackend.lookup``): the same slots found, inserted, evicted or failing, the same
+scores, pins, counts and unique numbering. It gets there with less work:
+
+* :func:`probe` deduplicates the call's keys with a batch-local hash set, so each distinct key is
+  hashed into the index once (a Zipf batch repeats most of its keys); repeated occurrences of a
+  found key touch its slot directly. A missing key keeps where its probe path had its first
+  free slot.
+* :func:`place` inserts the missing keys. A missing key was not found, and slots only fill
+  during the call (an evicted slot takes its new key at once), so its first free slot is still
+  the recorded one, or a later one on its path: the probe resumes there instead of starting
+  over.
+* :func:`number` numbers the entries and frees the call's pins.
+
+The resolver may decide between :func:`probe` and :func:`place` which misses are let in
+(admission). ``journal`` (an atomic call: ``on_full`` RAISE) records every slot the call
+writes, so a call where a key gets no row is undone slot for slot (:func:`undo`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
+from dynemb.kernels.index_numba import (
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, P_CUSTOM, P_LFU,
+    P_NO_EVICTION, PIN_FREE, PIN_HELD, _lowest_unpinned, _touch,
+)
+from dynemb.kernels.prefetch import AHEAD, prefetch
+
+T_HBM_HITS, T_DDR_HITS, T_HBM_MISSES, T_DDR_MISSES = 0, 1, 2, 3
+"""Indices of the per-tier counts :func:`probe` adds to ``tiers`` (a key's occurrences are hits
+when it had a row before the call)."""
+_SET_SHIFT = np.uint64(24)  # the set's slot comes from bits the index's bucket choice uses less
+
+
+def set_size(n: int) -> int:
+    """Slots of the batch-local set for ``n`` keys: a power of two at least 2n (load <= 0.5)."""
+    return 1 << max(4, (2 * n - 1).bit_length())
+
+
+@njit(cache=True, inline="always")
+def _save(journal, n_j, s, ikeys, iscores, dig, pins):
+    """Appends slot s's state to the journal (an atomic call); returns the new length."""
+    if journal.shape[0] > 0:
+        journal[n_j, 0] = s
+        journal[n_j, 1] = ikeys[s]
+        journal[n_j, 2] = iscores[s]
+        journal[n_j, 3] = dig[s]
+        journal[n_j, 4] = pins[s]
+        return n_j + 1
+    return n_j
+
+
+@njit(cache=True)
+def probe(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
+          touch, hbm_rows, set_keys, set_ids, inverse, slots, uslot, ufree, upos, journal,
+          tiers):
+    """Finds every key (N,) once per distinct key; returns (U distinct keys, journal length).
+
+    Writes ``inverse[i]`` (the distinct key of occurrence i, numbered by first occurrence),
+    ``slots[i]`` (its slot or -1), and per distinct key u: ``uslot[u]`` (slot or -1),
+    ``upos[u]`` (first occurrence) and for a missing key ``ufree[u]``, the offset on its probe
+    path of the first free slot (``width`` if none). Found slots are pinned (``PIN_HELD``,
+    unless held) and, with ``touch``, touched per occurrence. ``set_keys``/``set_ids``: the
+    batch-local set (``set_size(N)`` slots; ids filled with -1). ``tiers`` (4,) int64: hits and
+    misses per tier added (a hit is in hbm when its slot is below ``hbm_rows``, a miss when its
+    home bucket is below ``split``)."""
+    smask = np.uint64(set_ids.shape[0] - 1)
+    width = bmask + 1
+    n_u = 0
+    n_j = 0
+    n = keys.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            ka = keys[i + AHEAD]
+            ha = index_hash_nb(ka)
+            prefetch(set_ids, (ha >> _SET_SHIFT) & smask)
+            prefetch(dig, home_bucket_nb(ka, ha, num_buckets, split) * width
+                     + np.int64(ha & np.uint64(bmask)))
+        k = keys[i]
+        h = index_hash_nb(k)
+        p = (h >> _SET_SHIFT) & smask
+        while True:
+            u = set_ids[p]
+            if u < 0 or set_keys[p] == k:
+                break
+            p = (p + np.uint64(1)) & smask
+        if u < 0:  # the first occurrence: probe the index
+            u = n_u
+            n_u += 1
+            set_ids[p] = u
+            set_keys[p] = k
+            upos[u] = i
+            base = home_bucket_nb(k, h, num_buckets, split) * width
+            start = np.int64(h & np.uint64(bmask))
+            d = digest_of_nb(h)
+            s = -1
+            free = width
+            for j in range(width):
+                t = base + ((start + j) & bmask)
+                ds = dig[t]
+                if ds == d:
+                    if ikeys[t] == k:
+                        s = t
+                        break
+                elif ds == D_EMPTY:
+                    if free == width:
+                        free = j
+                    break
+                elif ds == D_ERASED and free == width:
+                    free = j
+            uslot[u] = s
+            ufree[u] = free
+            if s >= 0 and pins[s] == PIN_FREE:
+                n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
+                pins[s] = PIN_HELD
+            if s < 0:
+                tiers[T_HBM_MISSES if base < split * width else T_DDR_MISSES] += 1
+        else:
+            s = uslot[u]
+            if s < 0:
+                hbm = home_bucket_nb(k, h, num_buckets, split) < split
+                tiers[T_HBM_MISSES if hbm else T_DDR_MISSES] += 1
+        inverse[i] = u
+        slots[i] = s
+        if s >= 0:
+            tiers[T_HBM_HITS if s < hbm_rows else T_DDR_HITS] += 1
+            if touch:
+                n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
+                _touch(iscores, s, policy, step, custom, i)
+    return n_u, n_j
+
+
+@njit(cache=True, inline="always")
+def _prefetch_free(k, off, ikeys, iscores, dig, pins, num_buckets, split, bmask):
+    """Prefetches the slot a missing key ``k`` will take (its first free slot at path offset
+    ``off``), or the scores of its full bucket."""
+    h = index_hash_nb(k)
+    width = bmask + 1
+    base = home_bucket_nb(k, h, num_buckets, split) * width
+    if off < width:
+        t = base + ((np.int64(h & np.uint64(bmask)) + off) & bmask)
+        prefetch(dig, t)
+        prefetch(ikeys, t)
+        prefetch(iscores, t)
+        prefetch(pins, t)
+    else:
+        for j in range(0, width, 8):
+            prefetch(iscores, base + j)
+
+
+@njit(cache=True)
+def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
+          allowed, inverse, slots, uslot, ufree, journal, n_j, inserted, fresh_pos,
+          ev_keys, ev_slots, ev_scores, out):
+    """Inserts the missing keys after :func:`probe`, occurrence by occurrence, as
+    ``insert_pass`` would: the first allowed occurrence of a missing key inserts it (evicting the
+    lowest-score unpinned slot of a full bucket), later ones touch its slot; one that cannot get
+    a slot fails (and a later occurrence tries again). ``allowed`` (N,) bool or empty (all): the
+    occurrences admission lets in. Updates ``slots``, ``uslot`` and ``inserted``; writes the
+    occurrences that inserted, in order, to ``fresh_pos`` and the evictions to ``ev_*``. ``out``
+    (5,) int64 gets (inserted, evicted, failed, new slots taken, journal length); :func:`count`
+    adds them to the index's counts once the call stands."""
+    width = bmask + 1
+    n_ins = 0
+    n_ev = 0
+    n_fail = 0
+    n_new = 0
+    every = allowed.shape[0] == 0
+    todo = np.empty(keys.shape[0], np.int64)  # the occurrences to place, in order
+    n_todo = 0
+    for i in range(keys.shape[0]):
+        if slots[i] < 0 and (every or allowed[i]):
+            todo[n_todo] = i
+            n_todo += 1
+    for t in range(n_todo):
+        if t + AHEAD < n_todo:
+            a = todo[t + AHEAD]
+            if uslot[inverse[a]] < 0:
+                _prefetch_free(keys[a], ufree[inverse[a]], ikeys, iscores, dig, pins,
+                               num_buckets, split, bmask)
+        i = todo[t]
+        u = inverse[i]
+        s = uslot[u]
+        if s >= 0:  # inserted by an earlier occurrence of this call
+            n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
+            _touch(iscores, s, policy, step, custom, i)
+            slots[i] = s
+            continue
+        k = keys[i]
+        h = index_hash_nb(k)
+        base = home_bucket_nb(k, h, num_buckets, split) * width
+        start = np.int64(h & np.uint64(bmask))
+        free = -1
+        for j in range(ufree[u], width):  # slots before the recorded one are still occupied
+            t = base + ((start + j) & bmask)
+            ds = dig[t]
+            if ds == D_EMPTY or ds == D_ERASED:
+                free = t
+                break
+        if policy == P_LFU:
+            score = 1
+        elif policy == P_CUSTOM:
+            score = custom[i] if custom.shape[0] > 0 else step
+        else:
+            score = step
+        if free < 0:
+            ufree[u] = width
+            if policy == P_NO_EVICTION:
+                n_fail += 1
+                continue
+            best, best_score = _lowest_unpinned(iscores, pins, base, width, policy, step)
+            if best < 0 or (policy == P_CUSTOM and score < best_score):
+                n_fail += 1
+                continue
+            ev_keys[n_ev] = ikeys[best]
+            ev_slots[n_ev] = best
+            ev_scores[n_ev] = best_score
+            n_ev += 1
+            free = best
+        else:
+            n_new += 1
+        n_j = _save(journal, n_j, free, ikeys, iscores, dig, pins)
+        ikeys[free] = k
+        dig[free] = digest_of_nb(h)
+        iscores[free] = score
+        if pins[free] == PIN_FREE:  # (a tombstone held by lookups in flight keeps its count)
+            pins[free] = PIN_HELD
+        uslot[u] = free
+        slots[i] = free
+        inserted[i] = True
+        fresh_pos[n_ins] = i
+        n_ins += 1
+    out[0] = n_ins
+    out[1] = n_ev
+    out[2] = n_fail
+    out[3] = n_new
+    out[4] = n_j
+
+
+@njit(cache=True)
+def count(counts, out):
+    """Adds what :func:`place` did (its ``out``) to the index's counts."""
+    counts[C_INSERTED] += out[0]
+    counts[C_EVICTED] += out[1]
+    counts[C_FAILED] += out[2]
+    counts[C_SIZE_DELTA] += out[3]
+
+
+@njit(cache=True)
+def undo(journal, n_j, ikeys, iscores, dig, pins):
+    """Restores every slot the journal recorded, last write first: the index is as it was before
+    :func:`probe`."""
+    for j in range(n_j - 1, -1, -1):
+        s = journal[j, 0]
+        ikeys[s] = journal[j, 1]
+        iscores[s] = journal[j, 2]
+        dig[s] = journal[j, 3]
+        pins[s] = journal[j, 4]
+
+
+@njit(cache=True)
+def number(slots, inverse, uslot, upos, n_u, pins, unique_slots, unique_pos):
+    """Numbers the entries as ``finish`` does and frees the call's pins; returns their count.
+
+    Every occurrence without a slot is an entry of its own; the others are numbered by the
+    first occurrence of their slot. When every occurrence has a slot that is the numbering of
+    :func:`probe` (a key's occurrences share its slot), kept as it is."""
+    n = slots.shape[0]
+    whole = True
+    for i in range(n):
+        if slots[i] < 0:
+            whole = False
+            break
+    if whole:
+        m = n_u
+        for u in range(n_u):
+            unique_slots[u] = uslot[u]
+            unique_pos[u] = upos[u]
+    else:
+        remap = np.full(n_u, -1, np.int64)
+        m = 0
+        for i in range(n):
+            s = slots[i]
+            if s < 0:
+                unique_slots[m] = -1
+                unique_pos[m] = i
+                inverse[i] = m
+                m += 1
+                continue
+            u = inverse[i]
+            if remap[u] < 0:
+                remap[u] = m
+                unique_slots[m] = s
+                unique_pos[m] = i
+                m += 1
+            inverse[i] = remap[u]
+    for u in range(m):
+        s = unique_slots[u]
+        if s >= 0 and pins[s] == PIN_HELD:
+            pins[s] = PIN_FREE
+    return m

@@ -1,0 +1,119 @@
+"""The numba backend's fused lookup (``kernels.lookup_numba``) against the same lookup run as its
+steps (``backend.staged_lookup``: find, admission, insert, finish), bit for bit.
+
+Random call sequences on a small index whose buckets overflow: every score policy, per-occurrence
+custom scores, repeated keys, atomic calls that fail, admission letting in a subset, tombstones
+(erase), slots held by lookups in flight, and a two-tier (HYBRID) index. After every call both
+indexes' arrays and every field of the two results must be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynemb.kernels.backend import NUMBA, TORCH, staged_lookup
+from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
+from dynemb.table.index import HashIndex
+
+NB, WIDTH = 2, 4
+POOL = list(range(1, 22)) + [-1, -(2**63) + 1, 2**63 - 1]
+POLICIES = [P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION]
+
+call_st = st.tuples(
+    st.lists(st.sampled_from(POOL), min_size=1, max_size=16),  # keys
+    st.booleans(),                                           # touch and insert (else eval)
+    st.booleans(),                                           # atomic
+    st.sampled_from([None, 2, 3]),                           # admission: keep out key % m == 0
+    st.lists(st.sampled_from(POOL), max_size=4),             # erased after the call
+    st.integers(0, 3),                                       # entries held after the call
+)
+
+
+def _arrays(ix: HashIndex) -> dict[str, torch.Tensor]:
+    return {n: getattr(ix, n).clone() for n in ("keys", "scores", "digests", "pins", "written",
+                                                "counts")}
+
+
+def _run(ix, fused: bool, keys, custom, policy, step, touch, atomic, mod):
+    admit = None
+    if mod is not None:
+        def admit(miss):
+            return miss[keys[miss] % mod != 0]
+    kw = dict(touch=touch, insert=touch, atomic=atomic and touch, admit=admit,
+              hbm_rows=ix.split * ix.width)
+    if fused:
+        return NUMBA.lookup(ix, keys, custom, policy, step, **kw)
+    return staged_lookup(NUMBA, ix, keys, custom, policy, step, **kw)
+
+
+def _equal(a, b) -> None:
+    assert a.failed == b.failed and a.tiers == b.tiers
+    if a.failed and b.inserted is None:  # an atomic call that failed: nothing else is defined
+        return
+    for name in ("inverse", "unique_slots", "unique_pos", "slots", "fresh"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.inserted is None) == (b.inserted is None)
+    if a.inserted is not None:
+        assert torch.equal(a.inserted, b.inserted)
+    for x, y in zip(a.evicted, b.evicted):
+        assert torch.equal(x, y)
+    assert (a.miss is None) == (b.miss is None)
+    if a.miss is not None:
+        assert torch.equal(a.miss, b.miss)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(POLICIES), st.sampled_from([NB, 1]), st.lists(call_st, max_size=12),
+       st.randoms(use_true_random=False))
+def test_fused_lookup_equals_its_steps(policy, split, calls, rnd):
+    ixs = [HashIndex(NB, WIDTH, torch.device("cpu"), NUMBA, split=split) for _ in range(2)]
+    holds: list[torch.Tensor] = []
+    for step, (keys, touch, atomic, mod, erased, n_hold) in enumerate(calls, start=1):
+        keys = torch.tensor(keys, dtype=torch.int64)
+        custom = (torch.tensor([rnd.randrange(0, 40) for _ in range(keys.numel())],
+                               dtype=torch.int64)
+                  if policy == P_CUSTOM and rnd.random() < 0.8 else torch.empty(0, dtype=torch.int64))
+        results = [_run(ix, fused, keys, custom, policy, step, touch, atomic, mod)
+                   for ix, fused in zip(ixs, (True, False))]
+        _equal(*results)
+        if n_hold and results[0].failed == 0 or results[0].inserted is not None:
+            placed = results[0].unique_slots[results[0].unique_slots >= 0]
+            take = placed[:n_hold]
+            if take.numel():
+                for ix in ixs:
+                    ix.hold(take)
+                holds.append(take)
+        if holds and rnd.random() < 0.4:
+            gone = holds.pop(rnd.randrange(len(holds)))
+            for ix in ixs:
+                ix.release(gone)
+        if erased:
+            ek = torch.unique(torch.tensor(erased, dtype=torch.int64))
+            for ix in ixs:
+                NUMBA.erase(ix, ek)
+        a, b = (_arrays(ix) for ix in ixs)
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+        assert ixs[0].held == ixs[1].held
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_both_backends_resolve_the_same_keys(atomic):
+    """The torch backend's lookup (the staged one on its vectorised kernels) places keys in other
+    slots and numbers them in another order, but resolves the same keys the same way."""
+    keys = torch.tensor([5, 9, 5, 12, 9, 40, 5], dtype=torch.int64)
+    none = torch.empty(0, dtype=torch.int64)
+    kw = dict(touch=True, insert=True, atomic=atomic, admit=None, hbm_rows=NB * WIDTH)
+    for be in (NUMBA, TORCH):
+        ix = HashIndex(NB, WIDTH, torch.device("cpu"), be)
+        r = be.lookup(ix, keys, none, P_LRU, 1, **kw)
+        assert torch.equal(keys[r.unique_pos][r.inverse], keys)
+        assert sorted(keys[r.unique_pos].tolist()) == [5, 9, 12, 40]
+        assert sorted(keys[r.fresh].tolist()) == [5, 9, 12, 40]
+        assert r.inserted.sum() == 4 and r.failed == 0 and r.tiers == [0, 0, 7, 0]
+        assert bool((ix.pins == -1).all()) and ix.size() == 4
+        r = be.lookup(ix, keys, none, P_LRU, 2, **kw)
+        assert r.fresh.numel() == 0 and r.tiers == [7, 0, 0, 0]
