@@ -29,6 +29,7 @@ from numba import njit
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
+from dynemb.kernels.prefetch import AHEAD, prefetch
 
 D_EMPTY = 0
 D_ERASED = 1
@@ -75,6 +76,15 @@ def _probe(ikeys, dig, key, num_buckets, split, bmask):
 
 
 @njit(cache=True, inline="always")
+def _prefetch_path(ikeys, dig, key, num_buckets, split, bmask):
+    """Prefetches where ``key``'s probe path starts (its digest and key there)."""
+    h = index_hash_nb(key)
+    t = home_bucket_nb(key, h, num_buckets, split) * (bmask + 1) + np.int64(h & np.uint64(bmask))
+    prefetch(dig, t)
+    prefetch(ikeys, t)
+
+
+@njit(cache=True, inline="always")
 def _touch(iscores, s, policy, step, custom, i):
     if policy == P_LFU:
         iscores[s] += 1
@@ -92,7 +102,10 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask
     (N,) or empty: when given, ``prev[i]`` = the score slot ``out_slots[i]`` had just before
     occurrence i touched it (so :func:`restore_scores` can undo the touches)."""
     journal = prev.shape[0] > 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            _prefetch_path(ikeys, dig, keys[i + AHEAD], num_buckets, split, bmask)
         s, _, _, _ = _probe(ikeys, dig, keys[i], num_buckets, split, bmask)
         out_slots[i] = s
         if s >= 0:
