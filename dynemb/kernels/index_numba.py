@@ -154,6 +154,29 @@ def _lowest_unpinned(iscores, pins, base, width, policy, step):
     return -1, best_score
 
 
+@njit(cache=True, inline="always")
+def new_score(policy, custom, i, step):
+    """The score a key inserted by occurrence ``i`` starts with."""
+    if policy == P_LFU:
+        return np.int64(1)
+    if policy == P_CUSTOM and custom.shape[0] > 0:
+        return custom[i]
+    return np.int64(step)
+
+
+@njit(cache=True, inline="always")
+def victim(iscores, pins, base, width, policy, step, score):
+    """(slot, its score) that a new key of ``score`` evicts from its full bucket at ``base``;
+    slot -1 when it may evict none (NO_EVICTION, every slot pinned, or a CUSTOM score below
+    the lowest)."""
+    if policy == P_NO_EVICTION:
+        return -1, _MAX_SCORE
+    best, best_score = _lowest_unpinned(iscores, pins, base, width, policy, step)
+    if best < 0 or (policy == P_CUSTOM and score < best_score):
+        return -1, best_score
+    return best, best_score
+
+
 @njit(cache=True)
 def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
                 atomic, out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
@@ -192,19 +215,10 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
                 n_j += 1
             _touch(iscores, s, policy, step, custom, i)
             continue
-        if policy == P_LFU:
-            score = 1
-        elif policy == P_CUSTOM:
-            score = custom[i] if custom.shape[0] > 0 else step
-        else:
-            score = step
+        score = new_score(policy, custom, i, step)
         if free < 0:
-            if policy == P_NO_EVICTION:
-                out_slots[i] = -1
-                n_fail += 1
-                continue
-            best, best_score = _lowest_unpinned(iscores, pins, base, width, policy, step)
-            if best < 0 or (policy == P_CUSTOM and score < best_score):
+            best, best_score = victim(iscores, pins, base, width, policy, step, score)
+            if best < 0:
                 out_slots[i] = -1
                 n_fail += 1
                 continue

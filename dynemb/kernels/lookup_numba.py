@@ -27,8 +27,8 @@ from numba import njit
 
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 from dynemb.kernels.index_numba import (
-    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, P_CUSTOM, P_LFU,
-    P_NO_EVICTION, PIN_FREE, PIN_HELD, _lowest_unpinned, _touch,
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, PIN_FREE, PIN_HELD,
+    _touch, new_score, victim,
 )
 from dynemb.kernels.prefetch import AHEAD, prefetch
 
@@ -203,19 +203,11 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
             if ds == D_EMPTY or ds == D_ERASED:
                 free = t
                 break
-        if policy == P_LFU:
-            score = 1
-        elif policy == P_CUSTOM:
-            score = custom[i] if custom.shape[0] > 0 else step
-        else:
-            score = step
+        score = new_score(policy, custom, i, step)
         if free < 0:
             ufree[u] = width
-            if policy == P_NO_EVICTION:
-                n_fail += 1
-                continue
-            best, best_score = _lowest_unpinned(iscores, pins, base, width, policy, step)
-            if best < 0 or (policy == P_CUSTOM and score < best_score):
+            best, best_score = victim(iscores, pins, base, width, policy, step, score)
+            if best < 0:
                 n_fail += 1
                 continue
             ev_keys[n_ev] = ikeys[best]
