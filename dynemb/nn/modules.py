@@ -96,15 +96,15 @@ class _PoolState:
         """Sums ``gout`` (B, F·dim) per entry into the fused optimizer; returns the weights'
         gradient (N,) (empty unless ``want_wgrad``)."""
         t, lk = self.table, self.lookup
-        grads = t.gradient_buffer(lk.unique_keys.numel())
+        grads = torch.zeros(lk.unique_keys.numel(), t.dim, dtype=torch.float32, device=t.device)
         wgrad = torch.empty(self.weights.numel() if want_wgrad else 0, dtype=torch.float32,
                             device=t.device)
         if gout.numel():
             if want_wgrad:  # read the entries as forward saw them
                 rows, extra = self.entries, self.entries[:0]
                 src = torch.arange(rows.shape[0], device=t.device)
-            else:  # the kernels read entries only for the weights' gradient
-                rows, extra, src = t.rows, t.rows[:0, :t.dim], lk.inverse[:0]
+            else:
+                rows, (src, extra) = t.rows, t.sources(lk)
             t.backend.pool_backward(gout.to(torch.float32).contiguous(), rows, extra, src,
                                     lk.inverse, self.lengths, self.weights, self.batch, t.dim,
                                     self.mean, grads, wgrad)

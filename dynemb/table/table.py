@@ -105,7 +105,6 @@ class DynamicTable(TableChecks, TableReports):
         # dynemb.checkpoint's record of this table's saves and loads (training step -> table
         # step), kept on the table it describes; None until the first save or load.
         self.checkpoint_marks: object | None = None
-        self._grads: torch.Tensor | None = None  # gradient_buffer's
         # A CACHING table sits in a reference cycle (as it always has): dropping its last
         # reference leaves it to the garbage collector instead of freeing it at once, so one
         # still uncollected at interpreter exit is flushed and closed by the exit hook, and one
@@ -417,17 +416,6 @@ class DynamicTable(TableChecks, TableReports):
         if n_bad and self.config.nonfinite == NonFinite.SKIP:
             rids = torch.where(bad, -1, rids)
         return rids, n_bad
-
-    def gradient_buffer(self, n: int) -> torch.Tensor:
-        """A zeroed (n, dim) float32 tensor for one backward's per-entry gradients, valid until
-        the next call: a view of a buffer the table keeps and grows (a fresh tensor per step
-        page-faults all of its pages, about 1 ms per 4 MB here)."""
-        buf = self._grads
-        if buf is None or buf.shape[0] < n:
-            grown = n if buf is None else max(n, buf.shape[0] + buf.shape[0] // 4)
-            buf = self._grads = torch.empty(grown, self.dim, dtype=torch.float32,
-                                            device=self.device)
-        return buf[:n].zero_()
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         """Global row id of each key (N,) or -1, touching nothing."""
