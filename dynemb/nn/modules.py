@@ -103,8 +103,8 @@ class _PoolState:
             if want_wgrad:  # read the entries as forward saw them
                 rows, extra = self.entries, self.entries[:0]
                 src = torch.arange(rows.shape[0], device=t.device)
-            else:
-                rows, (src, extra) = t.rows, t.sources(lk)
+            else:  # the kernels read entries only for the weights' gradient
+                rows, extra, src = t.rows, t.rows[:0, :t.dim], lk.inverse[:0]
             t.backend.pool_backward(gout.to(torch.float32).contiguous(), rows, extra, src,
                                     lk.inverse, self.lengths, self.weights, self.batch, t.dim,
                                     self.mean, grads, wgrad)
