@@ -24,7 +24,6 @@ import torch
 
 from dynemb.config import Initializer, InitKind
 from dynemb.errors import ConfigError
-from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels import index_numba as inb
 from dynemb.kernels import index_torch as ito
 from dynemb.kernels import lookup_numba as lnb
@@ -32,9 +31,10 @@ from dynemb.kernels import pooling_numba as pnb
 from dynemb.kernels import pooling_torch as pto
 from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels import rows_torch as rto
+from dynemb.kernels.hashing import home_bucket, index_hash
 
 _NO_QUANTILES = torch.zeros(2, dtype=torch.float32)
-_NO_PREV = torch.empty(0, dtype=torch.int64)
+_EMPTY = torch.empty(0, dtype=torch.int64)  # (no journal, no entries, nothing evicted)
 INIT_CODES = {
     InitKind.NORMAL: rnb.INIT_NORMAL,
     InitKind.TRUNCATED_NORMAL: rnb.INIT_TRUNCATED_NORMAL,
@@ -124,7 +124,7 @@ def staged_lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bo
                 if prev is not None:
                     be.restore_scores(ix, slots, prev)
                 be.unpin(ix, slots)
-                return Resolved(slots, slots, slots, slots, None, fresh, ev, failed, tiers, miss)
+                return Resolved(fresh, fresh, fresh, slots, None, fresh, ev, failed, tiers, miss)
             slots[new] = new_slots
             inserted[new] = fresh_mask
             fresh = new[fresh_mask]
@@ -148,7 +148,7 @@ class NumbaBackend:
         slots = torch.empty_like(keys)
         inb.find_pass(_np(keys), _np(custom), _np(ix.keys), _np(ix.scores), _np(ix.digests),
                       _np(ix.pins), ix.num_buckets, ix.split, ix.width - 1, policy, step, touch, pin,
-                      _np(slots), _np(_NO_PREV if prev is None else prev))
+                      _np(slots), _np(_EMPTY if prev is None else prev))
         return slots
 
     def restore_scores(self, ix, slots, prev):
@@ -182,7 +182,7 @@ class NumbaBackend:
                              uslot, ufree, upos, journal, tiers)
         t = torch.from_numpy
         inserted, miss, failed = None, None, 0
-        fresh, ev = _NO_PREV, (_NO_PREV, _NO_PREV, _NO_PREV)
+        fresh, ev = _EMPTY, (_EMPTY, _EMPTY, _EMPTY)
         if insert:
             ins = np.zeros(n, np.bool_)
             allowed = np.empty(0, np.bool_)
@@ -197,7 +197,7 @@ class NumbaBackend:
             n_ins, n_ev, failed = int(out[0]), int(out[1]), int(out[2])
             if failed and atomic:
                 lnb.undo(journal, int(out[4]), *ixa[:4])
-                return Resolved(_NO_PREV, _NO_PREV, _NO_PREV, t(slots), None, _NO_PREV, ev,
+                return Resolved(_EMPTY, _EMPTY, _EMPTY, t(slots), None, _EMPTY, ev,
                                 failed, tiers.tolist(), miss)
             lnb.count(_np(ix.counts), out)
             inserted, fresh = t(ins), t(fresh_pos[:n_ins])

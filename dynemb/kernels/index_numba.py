@@ -177,6 +177,27 @@ def victim(iscores, pins, base, width, policy, step, score):
     return best, best_score
 
 
+@njit(cache=True, inline="always")
+def claim_slot(ikeys, iscores, dig, pins, s, key, d, score):
+    """Slot ``s`` takes ``key`` (digest ``d``) with ``score``, pinned by the running lookup (a
+    tombstone held by lookups in flight keeps its hold count)."""
+    ikeys[s] = key
+    dig[s] = d
+    iscores[s] = score
+    if pins[s] == PIN_FREE:
+        pins[s] = PIN_HELD
+
+
+@njit(cache=True, inline="always")
+def record_eviction(ev_keys, ev_slots, ev_scores, n_ev, ikeys, best, best_score):
+    """Writes eviction ``n_ev`` (the key in slot ``best``, the slot, its score); returns
+    ``n_ev + 1``."""
+    ev_keys[n_ev] = ikeys[best]
+    ev_slots[n_ev] = best
+    ev_scores[n_ev] = best_score
+    return n_ev + 1
+
+
 @njit(cache=True)
 def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
                 atomic, out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
@@ -222,10 +243,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
                 out_slots[i] = -1
                 n_fail += 1
                 continue
-            ev_keys[n_ev] = ikeys[best]
-            ev_slots[n_ev] = best
-            ev_scores[n_ev] = best_score
-            n_ev += 1
+            n_ev = record_eviction(ev_keys, ev_slots, ev_scores, n_ev, ikeys, best, best_score)
             free = best
         else:
             n_new += 1
@@ -233,11 +251,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
             j_slot[n_j], j_key[n_j], j_score[n_j] = free, ikeys[free], iscores[free]
             j_dig[n_j], j_pin[n_j] = dig[free], pins[free]
             n_j += 1
-        ikeys[free] = k
-        dig[free] = d
-        iscores[free] = score
-        if pins[free] == PIN_FREE:  # (a tombstone held by lookups in flight keeps its count)
-            pins[free] = PIN_HELD
+        claim_slot(ikeys, iscores, dig, pins, free, k, d, score)
         out_slots[i] = free
         inserted[i] = True
         n_ins += 1

@@ -28,7 +28,7 @@ from numba import njit
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, PIN_FREE, PIN_HELD,
-    _touch, new_score, victim,
+    _touch, claim_slot, new_score, record_eviction, victim,
 )
 from dynemb.kernels.prefetch import AHEAD, prefetch
 
@@ -119,16 +119,14 @@ def probe(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
             if s >= 0 and pins[s] == PIN_FREE:
                 n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
                 pins[s] = PIN_HELD
-            if s < 0:
-                tiers[T_HBM_MISSES if base < split * width else T_DDR_MISSES] += 1
         else:
             s = uslot[u]
-            if s < 0:
-                hbm = home_bucket_nb(k, h, num_buckets, split) < split
-                tiers[T_HBM_MISSES if hbm else T_DDR_MISSES] += 1
         inverse[i] = u
         slots[i] = s
-        if s >= 0:
+        if s < 0:
+            hbm = home_bucket_nb(k, h, num_buckets, split) < split
+            tiers[T_HBM_MISSES if hbm else T_DDR_MISSES] += 1
+        else:
             tiers[T_HBM_HITS if s < hbm_rows else T_DDR_HITS] += 1
             if touch:
                 n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
@@ -210,19 +208,12 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
             if best < 0:
                 n_fail += 1
                 continue
-            ev_keys[n_ev] = ikeys[best]
-            ev_slots[n_ev] = best
-            ev_scores[n_ev] = best_score
-            n_ev += 1
+            n_ev = record_eviction(ev_keys, ev_slots, ev_scores, n_ev, ikeys, best, best_score)
             free = best
         else:
             n_new += 1
         n_j = _save(journal, n_j, free, ikeys, iscores, dig, pins)
-        ikeys[free] = k
-        dig[free] = digest_of_nb(h)
-        iscores[free] = score
-        if pins[free] == PIN_FREE:  # (a tombstone held by lookups in flight keeps its count)
-            pins[free] = PIN_HELD
+        claim_slot(ikeys, iscores, dig, pins, free, k, digest_of_nb(h), score)
         uslot[u] = free
         slots[i] = free
         inserted[i] = True
