@@ -48,9 +48,13 @@ FBGEMM_RULE = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "
 # torch.optim.Adagrad on sparse gradients warns once about sparse invariant checks: not ours
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
-# issue 2: Adam >= 3x nn.EmbeddingBag + SparseAdam; SGD, row-wise Adagrad >= fbgemm's CPU TBE
-TARGETS = {"adam": ("torch_embedding_bag", 3.0), "sgd": ("fbgemm_tbe", 1.0),
-           "rowwise_adagrad": ("fbgemm_tbe", 1.0)}
+# issue 14, per optimizer: (which dynemb column, which baseline, the least ratio of ids/s);
+# "dynemb" is the evicting table, "dynemb_same_ids" the one fed the baselines' ids
+_FIXED_TABLE_TARGETS = (("dynemb", "fbgemm_tbe", 0.5),
+                        ("dynemb_same_ids", "torch_embedding_bag", 1.0),
+                        ("dynemb_same_ids", "fbgemm_tbe", 0.8))
+TARGETS = {"sgd": _FIXED_TABLE_TARGETS, "rowwise_adagrad": _FIXED_TABLE_TARGETS,
+           "adam": (("dynemb", "torch_embedding_bag", 3.0),)}
 
 
 def parse_args(argv=None):
@@ -297,8 +301,8 @@ def bench_config(args, dim: int, opt: str, fb_why: str | None) -> dict:
 def targets(results: list[dict]) -> list[dict]:
     out = []
     for rec in results:
-        base, need = TARGETS[rec["optimizer"]]
-        for ours, key in (("dynemb", "ratios"), ("dynemb_same_ids", "ratios_same_ids")):
+        for ours, base, need in TARGETS[rec["optimizer"]]:
+            key = "ratios" if ours == "dynemb" else "ratios_same_ids"
             got = rec[key].get(f"mids_per_s_vs_{base}")
             out.append({"what": f"{rec['optimizer']} dim {rec['dim']}: {ours} ids/s / {base} ids/s",
                         "target_ratio": need, "measured_ratio": got,

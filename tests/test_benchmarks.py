@@ -83,7 +83,25 @@ def test_train_step_smoke(tmp_path):
         else:
             assert positive(fb["step_ms"]) and positive(fb["mids_per_s"])
             assert positive(r["ratios"]["mids_per_s_vs_fbgemm_tbe"])
-    assert len(rec["targets"]) == 6  # each optimizer: with churn, and on the baselines' ids
+    assert len(rec["targets"]) == 7  # SGD, row-wise Adagrad: 3 each; Adam: 1
+
+
+def test_many_tables_smoke(tmp_path):
+    rec = run_smoke("many_tables", tmp_path)
+    assert rec["config"]["tables"] == 26 and len(rec["config"]["rows_per_table"]) == 26
+    ours = rec["results"]["dynemb"]
+    for key in ("step_ms", "step_ms_p90", "samples_per_s", "mids_per_s"):
+        assert positive(ours[key]), key
+    assert ours["step_ms_p90"] >= ours["step_ms"]
+    fb = rec["results"]["fbgemm_tbe"]  # measured, or skipped with the reason
+    target = rec["targets"]
+    if "skipped" in fb:
+        assert isinstance(fb["skipped"], str) and fb["skipped"]
+        assert target["measured_ratio"] is None and target["met"] is None
+    else:
+        assert positive(fb["step_ms"])
+        assert target["measured_ratio"] == pytest.approx(fb["step_ms"] / ours["step_ms"])
+        assert isinstance(target["met"], bool)
 
 
 def test_routing_balance_smoke(tmp_path):
