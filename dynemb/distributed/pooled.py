@@ -176,7 +176,8 @@ class _ShardedPooledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _PooledStep, anchor: torch.Tensor, weights: torch.Tensor):
         ctx.step = step
-        return step.values
+        values, step.values = step.values, None  # its grad_fn will be this node: no cycle
+        return values
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):

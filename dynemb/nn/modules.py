@@ -35,7 +35,8 @@ class _LookupState:
 
     table: DynamicTable
     lookup: Lookup
-    rows: torch.Tensor
+    rows: torch.Tensor | None
+    """(U, dim); handed to autograd (and dropped here) by the training forward."""
     lengths: torch.Tensor
     """(F·B,) int64 bag lengths, feature-major."""
     timer: Callable = contextlib.nullcontext
@@ -48,7 +49,8 @@ class _RowsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _LookupState, anchor: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return state.rows
+        rows, state.rows = state.rows, None  # its grad_fn will be this node: no cycle
+        return rows
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -120,7 +122,8 @@ class _PooledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _PoolState, anchor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return state.values
+        values, state.values = state.values, None  # its grad_fn will be this node: no cycle
+        return values
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):

@@ -165,3 +165,30 @@ def test_a_batch_changed_after_construction_is_refused(group_of_one):
         sharded(batch)
     ok = H.rank_batch(CASES["hash_roundrobin-sgd"], 1, 0, 1)
     sharded(ok).values().sum().backward()  # the next step runs
+
+
+@pytest.mark.parametrize("name", ["hash_roundrobin-sgd", "ec-sequence"])
+def test_a_sharded_step_leaves_no_reference_cycle(group_of_one, name):
+    """As in one process (``nn/test_modules.py``): a step's outputs and autograd nodes are freed
+    with the step's last reference, not left to the garbage collector."""
+    import gc
+
+    case = CASES[name]
+    sharded = dynemb.distributed.shard(H.collection(case))
+
+    def step(s):
+        out = sharded(H.rank_batch(case, s, 0, 1))
+        parts = [out.values()] if case.kind == "ebc" else [j.values for j in out.values()]
+        sum(p.sum() for p in parts).backward()
+
+    step(0)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step(1)
+        found = gc.collect()
+        kinds = sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert found == 0, kinds
