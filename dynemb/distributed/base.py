@@ -20,7 +20,7 @@ from dynemb.distributed.input_dist import (
 )
 from dynemb.distributed.routing import shard_config
 from dynemb.distributed.stats import RoutingStats, TableRoutingStats
-from dynemb.distributed.owner import OwnerTable, Scratch
+from dynemb.distributed.owner import OwnerTable
 from dynemb.errors import ConfigError, DynembError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.optim.rules import clip_scale
@@ -91,7 +91,6 @@ class ShardedCollection(TablesStayPut):
         self._steps = 0
         self._received = [[0, 0] for _ in tables]  # per table: ids, unique keys
         self._bytes_sent = 0
-        self._scratch = {c.name: Scratch() for c in tables}
         self._pending_counters: tuple | None = None
         self.register_load_state_dict_post_hook(ShardedCollection._apply_counters)
 
@@ -123,10 +122,6 @@ class ShardedCollection(TablesStayPut):
         stores, marking them cleanly closed, as ``EmbeddingBagCollection.close`` does. The
         collection cannot be used afterwards."""
         self.local.close(delete_files=delete_files)
-
-    def scratch(self, name: str) -> Scratch:
-        """Table ``name``'s reusable gradient buffer."""
-        return self._scratch[name]
 
     @property
     def tables(self) -> dict[str, DynamicTable]:
@@ -456,7 +451,7 @@ class ShardedCollection(TablesStayPut):
                 counts = [inp.headers.counts[r][t] for r in range(self.world_size)]
                 chunks = [c.to(self.device) for c in received[t]]
                 owners.append(OwnerTable.resolve(table, parse(t, config, counts, chunks),
-                                                 inp.training, self.scratch(config.name), hold))
+                                                 inp.training, hold))
         except Exception as e:  # noqa: BLE001  (raised on every rank by finish_floats)
             for o in owners:
                 o.table.release(o.lookup)

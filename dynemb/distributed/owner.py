@@ -84,25 +84,6 @@ def parse_sequence(chunks: Sequence[torch.Tensor], counts: Sequence[tuple[int, i
                     multiplicity=None if mult is None else torch.cat(mult))
 
 
-class Scratch:
-    """A reusable float32 buffer: fresh large tensors page-fault on first touch (see
-    docs/architecture.md), so the per-step gradient accumulator of a table is kept and zeroed."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-
-    def zeros(self, rows: int, dim: int, device: torch.device) -> torch.Tensor:
-        """A zero-filled (rows, dim) float32 tensor, valid until the next call."""
-        buf = self._buf
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.device != device:
-            grown = 0 if buf is None else buf.shape[0] + buf.shape[0] // 4
-            self._buf = buf = torch.empty(max(rows, grown, 1024), dim, dtype=torch.float32,
-                                          device=device)
-        out = buf[:rows]
-        out.zero_()
-        return out
-
-
 @dataclass
 class OwnerTable:
     """One table's lookup on its owner for one step, and what backward needs of it."""
@@ -112,8 +93,6 @@ class OwnerTable:
     lookup: Lookup
     entry: torch.Tensor
     """(ΣU_r,) int64 lookup entry of each received key."""
-    scratch: Scratch
-    """The table's gradient accumulator, reused across steps."""
     entries: torch.Tensor | None = None
     """(U_entries, dim) the entries' embeddings as forward saw them, kept only when some
     requester's weights need a gradient (an update landing between forward and backward must
@@ -121,7 +100,7 @@ class OwnerTable:
 
     @classmethod
     def resolve(cls, table: DynamicTable, received: Received, training: bool,
-                scratch: Scratch, hold: bool = False) -> OwnerTable:
+                hold: bool = False) -> OwnerTable:
         """Runs the one lookup of this step over every requester's keys (``hold``: its rows
         are held until ``apply_gradients`` or ``release``)."""
         keys, mult = received.keys, received.multiplicity
@@ -132,7 +111,7 @@ class OwnerTable:
         else:
             lk = table.lookup(keys, train=training, **held)
             entry = lk.inverse
-        return cls(table=table, received=received, lookup=lk, entry=entry, scratch=scratch)
+        return cls(table=table, received=received, lookup=lk, entry=entry)
 
     @property
     def num_touched(self) -> int:
@@ -160,7 +139,7 @@ class OwnerTable:
         """Backward of :meth:`pool`: ((U_entries, dim) summed gradients, (ΣN_r,) weight
         gradients or empty) from ``gout`` (ΣT_r, dim), the gradient of each partial."""
         t, r, lk = self.table, self.received, self.lookup
-        grads = self.scratch.zeros(lk.unique_slots.numel(), t.dim, t.device)
+        grads = t.grad_scratch.zeros(lk.unique_slots.numel(), t.dim, t.device)
         wgrad = torch.zeros(r.local.numel() if want_wgrad else 0, dtype=torch.float32,
                             device=t.device)
         if self.num_touched:
@@ -177,7 +156,7 @@ class OwnerTable:
     def row_grads(self, grad_rows: torch.Tensor) -> torch.Tensor:
         """(U_entries, dim) gradients summed per entry from ``grad_rows`` (ΣU_r, dim)."""
         t, lk = self.table, self.lookup
-        grads = self.scratch.zeros(lk.unique_slots.numel(), t.dim, t.device)
+        grads = t.grad_scratch.zeros(lk.unique_slots.numel(), t.dim, t.device)
         return grads.index_add_(0, self.entry, grad_rows.to(torch.float32))
 
     def grad_norm_sq(self, grads: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class _PoolState:
         """Sums ``gout`` (B, F·dim) per entry into the fused optimizer; returns the weights'
         gradient (N,) (empty unless ``want_wgrad``)."""
         t, lk = self.table, self.lookup
-        grads = torch.zeros(lk.unique_keys.numel(), t.dim, dtype=torch.float32, device=t.device)
+        grads = t.grad_scratch.zeros(lk.unique_keys.numel(), t.dim, t.device)
         wgrad = torch.empty(self.weights.numel() if want_wgrad else 0, dtype=torch.float32,
                             device=t.device)
         if gout.numel():

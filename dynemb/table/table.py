@@ -29,6 +29,7 @@ from dynemb.table.lifecycle import RowLifecycle
 from dynemb.table.memory import storage_layout
 from dynemb.table.reports import TableReports
 from dynemb.table.resolver import Resolver, SingleIndexResolver
+from dynemb.table.scratch import Scratch
 from dynemb.table.state import TableState
 from dynemb.table.stats import Evicted, ExportBatch, FindResult, InsertResult, Lookup
 from dynemb.table.storage import DdrFiles, RowStore, ddr_file_bytes
@@ -75,7 +76,7 @@ class DynamicTable(TableChecks, TableReports):
         self.name = config.name
         self.dim = config.dim
         self.device = canonical_device(device)
-        self.backend = backend_for(self.device, backend)
+        self.backend = backend_for(self.device, backend, config.threads)
         self.optimizer = RowOptimizer(config.optimizer, config.dim)
         st = config.storage
         st.require_planned(config.name)
@@ -102,6 +103,9 @@ class DynamicTable(TableChecks, TableReports):
         # ScorePolicy.CUSTOM: the score training lookups give the keys they touch or insert
         # (set it each step, e.g. to a timestamp); None gives new keys the table step.
         self.lookup_score: int | None = None
+        # The (U, dim) gradients of a step's entries are summed here, kept between steps: a
+        # fresh tensor of that size page-faults on first touch, every step.
+        self.grad_scratch = Scratch()
         # dynemb.checkpoint's record of this table's saves and loads (training step -> table
         # step), kept on the table it describes; None until the first save or load.
         self.checkpoint_marks: object | None = None

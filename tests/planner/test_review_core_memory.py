@@ -1,6 +1,7 @@
 """The working set the planner charges to hbm against what a training step allocates: the peak
 resident memory of one step of a warm table (every row exists), measured in a fresh process
-whose allocator returns every large block to the system when it is freed."""
+whose allocator returns every large block to the system when it is freed, plus what the table
+keeps between steps for its steps (its gradient buffer, resident before the step measured)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def peak(ids_n, dim, mode, x):
         f.write("5")  # resets the peak resident size
     base = resident("VmRSS:")
     step()
-    out = resident("VmHWM:") - base
+    kept = sum(t.grad_scratch.nbytes for t in ebc.tables.values())
+    out = resident("VmHWM:") - base + kept
     ebc.close()
     return out
 
