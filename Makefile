@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/table_ops.py --out benchmarks/results/table_ops.json
 	$(BIN)/python benchmarks/train_step.py --out benchmarks/results/train_step.json
 	$(BIN)/python benchmarks/many_tables.py --out benchmarks/results/many_tables.json
+	$(BIN)/python benchmarks/threads.py --dims 64 --out benchmarks/results/threads.json
 
 # torchrec (dynemb's interop is tested against it) and fbgemm's CPU TBE (the baseline of
 # benchmarks/train_step.py). Only these versions load with torch 2.13; a plain `pip install

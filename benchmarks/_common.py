@@ -51,8 +51,8 @@ def set_threads(threads: int) -> dict:
         raise SystemExit(f"--threads: expected >= 1, found {threads}")
     torch.set_num_threads(threads)
     return {"torch_num_threads": torch.get_num_threads(), "threads_flag": threads,
-            "threads_note": "torch.set_num_threads set deliberately (default 1); numba kernels "
-                            "are single-threaded"}
+            "threads_note": "torch.set_num_threads set deliberately (default 1); the tables' "
+                            "kernels follow it (TableConfig.threads None)"}
 
 
 def loadavg_1m() -> float | None:

@@ -377,6 +377,10 @@ class TableConfig:
     nonfinite: NonFinite = NonFinite.SKIP
     """Rows whose gradient holds NaN or inf: SKIP their update (counted), RAISE, or APPLY it
     (see :class:`NonFinite`; the strings "skip", "raise", "apply" are accepted)."""
+    threads: int | None = None
+    """Threads one call of the table's CPU kernels (lookup, row initialisation, pooling, the
+    optimizer update) splits its work over; None (the default) takes torch's count
+    (``torch.get_num_threads()``) at each call. Results are bit-identical for any count."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -411,6 +415,9 @@ class TableConfig:
         for name, kind in checks:
             if not isinstance(getattr(self, name), kind):
                 _fail(owner, name, getattr(self, name), f"a {kind.__name__}")
+        t = self.threads
+        if t is not None and (not _is_int(t) or not 1 <= t <= 1024):
+            _fail(owner, "threads", self.threads, "an int in [1, 1024] or None")
         if self.admission is not None and not isinstance(self.admission, Admission):
             _fail(owner, "admission", self.admission, "an Admission or None")
         r = self.id_range

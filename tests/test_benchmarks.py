@@ -104,6 +104,22 @@ def test_many_tables_smoke(tmp_path):
         assert isinstance(target["met"], bool)
 
 
+def test_threads_smoke(tmp_path):
+    rec = run_smoke("threads", tmp_path)
+    assert rec["config"]["threads_compared"] == 2
+    assert {(r["dim"], r["optimizer"]) for r in rec["results"]} == {
+        (16, o) for o in ("sgd", "rowwise_adagrad", "adam")}
+    for r in rec["results"]:
+        ms = r["ms_per_step"]
+        assert set(ms) == {"1", "table_2", "torch_2"}
+        for v in ms.values():
+            assert positive(v["median_ms"]) and v["p90_ms"] >= v["median_ms"]
+        for name, x in r["speedup"].items():
+            assert x == pytest.approx(ms["1"]["median_ms"] / ms[name]["median_ms"])
+        assert r["target"]["best"] == max(r["speedup"].values())
+        assert r["target"]["met"] == (r["target"]["best"] >= 1.6)
+
+
 def test_routing_balance_smoke(tmp_path):
     rec = run_smoke("routing_balance", tmp_path)
     modes = ("continuous", "roundrobin", "hash_roundrobin")

@@ -32,6 +32,7 @@ from dynemb.kernels import pooling_torch as pto
 from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels import rows_torch as rto
 from dynemb.kernels.hashing import home_bucket, index_hash
+from dynemb.kernels.threads import parts_for, ranges, resolve, run_parts
 
 _NO_QUANTILES = torch.zeros(2, dtype=torch.float32)
 _EMPTY = torch.empty(0, dtype=torch.int64)  # (no journal, no entries, nothing evicted)
@@ -140,9 +141,21 @@ def _put_back(ix, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
 
 
 class NumbaBackend:
-    """Compiled single-threaded CPU kernels."""
+    """Compiled CPU kernels, a call's work split over ``threads`` threads (None: torch's count
+    at the time of the call) with bit-identical results for any count (``kernels.threads``)."""
 
     name = "numba"
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads
+
+    def _parts(self, work: int) -> int:
+        return parts_for(resolve(self.threads), work)
+
+    def _split(self, n: int, fn: Callable[[int, int], object]) -> None:
+        """Runs ``fn(lo, hi)`` over contiguous ranges covering ``[0, n)``, one per part."""
+        spans = ranges(n, self._parts(n))
+        run_parts(lambda p: fn(*spans[p]), len(spans))
 
     def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
         slots = torch.empty_like(keys)
@@ -167,19 +180,24 @@ class NumbaBackend:
         return slots, inserted, (ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
 
     def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows):
-        """``staged_lookup``'s result, fused: each distinct key probed once
-        (``kernels.lookup_numba``)."""
+        """``staged_lookup``'s result, fused: each distinct key probed once, the index's buckets
+        split over the threads (``kernels.lookup_numba``)."""
         n = keys.numel()
+        parts = self._parts(n)
         m = lnb.set_size(n)
-        set_keys, set_ids = np.empty(m, np.int64), np.full(m, -1, np.int64)
-        inverse, slots, uslot, ufree, upos = (np.empty(n, np.int64) for _ in range(5))
-        journal = np.empty((3 * n if atomic else 0, 5), np.int64)
-        tiers = np.zeros(4, np.int64)
+        sets = [(np.empty(m, np.int64), np.empty(m, np.int64)) for _ in range(parts)]
+        first, slots, slot_at, free_at = (np.empty(n, np.int64) for _ in range(4))
+        journal = np.empty((parts, 3 * n if atomic else 0, 5), np.int64)
+        tiers = np.zeros((parts, 4), np.int64)
         nk, cu = _np(keys), _np(custom)
         ixa = (_np(ix.keys), _np(ix.scores), _np(ix.digests), _np(ix.pins), ix.num_buckets,
                ix.split, ix.width - 1, policy, step)
-        n_u, n_j = lnb.probe(nk, cu, *ixa, touch, hbm_rows, set_keys, set_ids, inverse, slots,
-                             uslot, ufree, upos, journal, tiers)
+        n_j = run_parts(lambda p: lnb.probe(p, parts, nk, cu, *ixa, touch, hbm_rows, *sets[p],
+                                            first, slots, slot_at, free_at, journal[p],
+                                            tiers[p]), parts)
+        inverse, uslot, ufree, upos = (np.empty(n, np.int64) for _ in range(4))
+        n_u = lnb.number_first(first, slot_at, free_at, inverse, uslot, ufree, upos)
+        tier_counts = tiers.sum(0).tolist()
         t = torch.from_numpy
         inserted, miss, failed = None, None, 0
         fresh, ev = _EMPTY, (_EMPTY, _EMPTY, _EMPTY)
@@ -190,22 +208,27 @@ class NumbaBackend:
                 miss = torch.nonzero(t(slots) < 0).flatten()
                 allowed = np.zeros(n, np.bool_)
                 allowed[admit(miss).numpy()] = True
-            fresh_pos, ev_keys, ev_slots, ev_scores = (np.empty(n, np.int64) for _ in range(4))
-            out = np.zeros(5, np.int64)
-            lnb.place(nk, cu, *ixa, allowed, inverse, slots, uslot, ufree, journal, n_j, ins,
-                      fresh_pos, ev_keys, ev_slots, ev_scores, out)
-            n_ins, n_ev, failed = int(out[0]), int(out[1]), int(out[2])
+            ev_keys, ev_scores = np.empty(n, np.int64), np.empty(n, np.int64)
+            ev_slots = np.full(n, -1, np.int64)
+            out = np.zeros((parts, 5), np.int64)
+            run_parts(lambda p: lnb.place(p, parts, nk, cu, *ixa, allowed, inverse, slots, uslot,
+                                          ufree, journal[p], n_j[p], ins, ev_keys, ev_slots,
+                                          ev_scores, out[p]), parts)
+            failed = int(out[:, 2].sum())
+            fresh_pos, ev_out = np.empty(n, np.int64), np.empty((3, n), np.int64)
+            n_ins, n_ev = lnb.events(ins, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out)
+            ev = (t(ev_out[0, :n_ev]), t(ev_out[1, :n_ev]), t(ev_out[2, :n_ev]))
             if failed and atomic:
-                lnb.undo(journal, int(out[4]), *ixa[:4])
+                for p in range(parts):
+                    lnb.undo(journal[p], int(out[p, 4]), *ixa[:4])
                 return Resolved(_EMPTY, _EMPTY, _EMPTY, t(slots), None, _EMPTY, ev,
-                                failed, tiers.tolist(), miss)
+                                failed, tier_counts, miss)
             lnb.count(_np(ix.counts), out)
             inserted, fresh = t(ins), t(fresh_pos[:n_ins])
-            ev = (t(ev_keys[:n_ev]), t(ev_slots[:n_ev]), t(ev_scores[:n_ev]))
         unique_slots, unique_pos = np.empty(n, np.int64), np.empty(n, np.int64)
         u = lnb.number(slots, inverse, uslot, upos, n_u, ixa[3], unique_slots, unique_pos)
         return Resolved(t(inverse), t(unique_slots[:u]), t(unique_pos[:u]), t(slots), inserted,
-                        fresh, ev, failed, tiers.tolist(), miss)
+                        fresh, ev, failed, tier_counts, miss)
 
     def finish(self, ix, slots):
         inverse, unique_slots, unique_pos = (torch.empty_like(slots) for _ in range(3))
@@ -227,18 +250,24 @@ class NumbaBackend:
 
     def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
         kind, a, b, quantiles = init_params(init, dst.device)
-        rnb.init_rows(_np(dst), _np(dst_rows), _np(keys), dim, state_value, kind, a, b,
-                      _np(quantiles), table_mix)
+        d, r, k, q = _np(dst), _np(dst_rows), _np(keys), _np(quantiles)
+        self._split(r.shape[0], lambda lo, hi: rnb.init_rows(
+            d, r[lo:hi], k[lo:hi], dim, state_value, kind, a, b, q, table_mix))
 
     def gather(self, rows, slots, dim, out):
-        rnb.gather(_np(rows), _np(slots), dim, _np(out))
+        r, s, o = _np(rows), _np(slots), _np(out)
+        self._split(s.shape[0], lambda lo, hi: rnb.gather(r, s[lo:hi], dim, o[lo:hi]))
 
     def copy_rows(self, src, src_rows, dst, dst_rows):
-        rnb.copy_rows(_np(src), _np(src_rows), _np(dst), _np(dst_rows))
+        a, ai, b, bi = _np(src), _np(src_rows), _np(dst), _np(dst_rows)
+        self._split(ai.shape[0], lambda lo, hi: rnb.copy_rows(a, ai[lo:hi], b, bi[lo:hi]))
 
     def pool(self, rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
-        pnb.pool(_np(rows), _np(extra), _np(src), _np(inverse), _np(lengths), _np(weights),
-                 batch, dim, mean, _np(out))
+        args = (_np(rows), _np(extra), _np(src), _np(inverse), _np(lengths), _np(weights),
+                batch, dim, mean, _np(out))
+        # split by bags, into as many parts as the ids are worth
+        bags = ranges(lengths.shape[0], self._parts(inverse.shape[0]))
+        run_parts(lambda p: pnb.pool(*args, *bags[p]), len(bags))
 
     def pool_backward(self, gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean,
                       grads, wgrad):
@@ -249,7 +278,8 @@ class NumbaBackend:
         kernel = getattr(rnb, name)
 
         def run(rows, slots, grads, *args):
-            kernel(_np(rows), _np(slots), _np(grads.contiguous()), *args)
+            r, s, g = _np(rows), _np(slots), _np(grads.contiguous())
+            self._split(s.shape[0], lambda lo, hi: kernel(r, s[lo:hi], g[lo:hi], *args))
 
         return run
 
@@ -311,13 +341,16 @@ TORCH = TorchBackend()
 BACKENDS = {"numba": NUMBA, "torch": TORCH}
 
 
-def backend_for(device: torch.device, name: str | None = None):
-    """The backend named ``name`` ("numba" or "torch"), or the default for ``device``."""
+def backend_for(device: torch.device, name: str | None = None, threads: int | None = None):
+    """The backend named ``name`` ("numba" or "torch"), or the default for ``device``; the numba
+    backend splits its calls over ``threads`` threads (None: torch's count)."""
     if name is None:
-        return NUMBA if device.type == "cpu" else TORCH
+        name = "numba" if device.type == "cpu" else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"backend: expected one of {sorted(BACKENDS)}, found {name!r}.")
     if name == "numba" and device.type != "cpu":
         raise ConfigError(f"backend 'numba' runs on CPU tensors only, found device {device}; "
                           "use backend='torch' (the default for non-CPU devices).")
+    if name == "numba" and threads is not None:
+        return NumbaBackend(threads)
     return BACKENDS[name]

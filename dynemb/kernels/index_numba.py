@@ -1,4 +1,5 @@
-"""Compiled (numba, single-threaded) hash-index kernels on zero-copy numpy views.
+"""Compiled (numba) hash-index kernels on zero-copy numpy views (one thread per call; the fused
+lookup of ``kernels.lookup_numba`` splits its calls over threads by bucket range).
 
 Index layout (HierarchicalKV-style): ``num_buckets`` buckets of ``width`` slots (a power of two).
 Per slot: ``keys`` int64, ``scores`` int64, ``digests`` uint8 (0 empty, 1 erased, 2..255 the
@@ -94,7 +95,7 @@ def _touch(iscores, s, policy, step, custom, i):
         iscores[s] = custom[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
               touch, pin, out_slots, prev):
     """Looks every key up; ``out_slots[i]`` = its slot or -1. With ``touch`` scores are updated
@@ -117,7 +118,7 @@ def find_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask
                 pins[s] = PIN_HELD
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def restore_scores(slots, prev, iscores):
     """Undoes a :func:`find_pass` that touched scores (``prev`` its journal): last occurrence
     first, so each slot ends with the score it had before the pass."""
@@ -198,7 +199,7 @@ def record_eviction(ev_keys, ev_slots, ev_scores, n_ev, ikeys, best, best_score)
     return n_ev + 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
                 atomic, out_slots, inserted, ev_keys, ev_slots, ev_scores, counts):
     """Inserts keys that were missing (duplicates allowed: later ones find the first).
@@ -269,7 +270,7 @@ def insert_pass(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bma
     return n_ev
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def finish(slots, pins, inverse, unique_slots, unique_pos):
     """Numbers the distinct slots of one lookup and releases its pins.
 
@@ -301,7 +302,7 @@ def finish(slots, pins, inverse, unique_slots, unique_pos):
     return n_unique
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def unpin(slots, pins):
     """Releases pins of ``slots`` (>= 0), e.g. after a lookup failed part-way."""
     for i in range(slots.shape[0]):
@@ -309,7 +310,7 @@ def unpin(slots, pins):
             pins[slots[i]] = PIN_FREE
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def erase(keys, ikeys, iscores, dig, num_buckets, split, bmask, out_slots, counts):
     """Erases keys present; ``out_slots[i]`` = the slot it had or -1. Returns how many."""
     n = 0

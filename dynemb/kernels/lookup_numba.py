@@ -8,12 +8,17 @@ scores, pins, counts and unique numbering. It gets there with less work:
 * :func:`probe` deduplicates the call's keys with a batch-local hash set, so each distinct key is
   hashed into the index once (a Zipf batch repeats most of its keys); repeated occurrences of a
   found key touch its slot directly. A missing key keeps where its probe path had its first
-  free slot.
+  free slot. :func:`number_first` then numbers the distinct keys by first occurrence.
 * :func:`place` inserts the missing keys. A missing key was not found, and slots only fill
   during the call (an evicted slot takes its new key at once), so its first free slot is still
   the recorded one, or a later one on its path: the probe resumes there instead of starting
-  over.
+  over. :func:`events` lists the rows inserted and evicted.
 * :func:`number` numbers the entries and frees the call's pins.
+
+:func:`probe` and :func:`place` run in parts (``kernels.threads``): a part does the keys whose
+home bucket is in its range of buckets, in the call's order, so no two parts touch one bucket
+or one slot and every bucket sees what it would in one part. Each part journals in its own
+rows.
 
 The resolver may decide between :func:`probe` and :func:`place` which misses are let in
 (admission). ``journal`` (an atomic call: ``on_full`` RAISE) records every slot the call
@@ -56,47 +61,56 @@ def _save(journal, n_j, s, ikeys, iscores, dig, pins):
     return n_j
 
 
-@njit(cache=True)
-def probe(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
-          touch, hbm_rows, set_keys, set_ids, inverse, slots, uslot, ufree, upos, journal,
-          tiers):
-    """Finds every key (N,) once per distinct key; returns (U distinct keys, journal length).
+@njit(cache=True, inline="always")
+def _owner(bucket, num_buckets, parts):
+    """The part whose bucket range holds ``bucket``: part p has ``[B·p/parts, B·(p+1)/parts)``."""
+    return (bucket * parts) // num_buckets
 
-    Writes ``inverse[i]`` (the distinct key of occurrence i, numbered by first occurrence),
-    ``slots[i]`` (its slot or -1), and per distinct key u: ``uslot[u]`` (slot or -1),
-    ``upos[u]`` (first occurrence) and for a missing key ``ufree[u]``, the offset on its probe
-    path of the first free slot (``width`` if none). Found slots are pinned (``PIN_HELD``,
-    unless held) and, with ``touch``, touched per occurrence. ``set_keys``/``set_ids``: the
-    batch-local set (``set_size(N)`` slots; ids filled with -1). ``tiers`` (4,) int64: hits and
-    misses per tier added (a hit is in hbm when its slot is below ``hbm_rows``, a miss when its
-    home bucket is below ``split``)."""
-    smask = np.uint64(set_ids.shape[0] - 1)
+
+@njit(cache=True, nogil=True)
+def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
+          policy, step, touch, hbm_rows, set_keys, set_pos, first, slots, slot_at, free_at,
+          journal, tiers):
+    """Finds the keys (N,) of part ``part`` of ``parts`` (those whose home bucket is in its
+    range), each distinct key once; returns the part's journal length.
+
+    Writes for each of its occurrences i ``first[i]`` (the first occurrence of its key) and
+    ``slots[i]`` (its slot or -1), and at a first occurrence p ``slot_at[p]`` (the slot or -1)
+    and for a missing key ``free_at[p]``, the offset on its probe path of the first free slot
+    (``width`` if none). Found slots are pinned (``PIN_HELD``, unless held) and, with ``touch``,
+    touched per occurrence. ``set_keys``/``set_pos``: the part's batch-local set
+    (``set_size(N)`` slots; filled here). ``tiers`` (4,) int64: the part's hits and misses per
+    tier added (a hit is in hbm when its slot is below ``hbm_rows``, a miss when its home bucket
+    is below ``split``). :func:`number_first` numbers the distinct keys afterwards."""
+    set_pos[:] = -1
+    smask = np.uint64(set_pos.shape[0] - 1)
     width = bmask + 1
-    n_u = 0
     n_j = 0
     n = keys.shape[0]
     for i in range(n):
         if i + AHEAD < n:
             ka = keys[i + AHEAD]
             ha = index_hash_nb(ka)
-            prefetch(set_ids, (ha >> _SET_SHIFT) & smask)
-            prefetch(dig, home_bucket_nb(ka, ha, num_buckets, split) * width
-                     + np.int64(ha & np.uint64(bmask)))
+            ba = home_bucket_nb(ka, ha, num_buckets, split)
+            if parts == 1 or _owner(ba, num_buckets, parts) == part:
+                prefetch(set_pos, (ha >> _SET_SHIFT) & smask)
+                prefetch(dig, ba * width + np.int64(ha & np.uint64(bmask)))
         k = keys[i]
         h = index_hash_nb(k)
+        bucket = home_bucket_nb(k, h, num_buckets, split)
+        if parts > 1 and _owner(bucket, num_buckets, parts) != part:
+            continue
         p = (h >> _SET_SHIFT) & smask
         while True:
-            u = set_ids[p]
-            if u < 0 or set_keys[p] == k:
+            f = set_pos[p]
+            if f < 0 or set_keys[p] == k:
                 break
             p = (p + np.uint64(1)) & smask
-        if u < 0:  # the first occurrence: probe the index
-            u = n_u
-            n_u += 1
-            set_ids[p] = u
+        if f < 0:  # the first occurrence: probe the index
+            f = i
+            set_pos[p] = i
             set_keys[p] = k
-            upos[u] = i
-            base = home_bucket_nb(k, h, num_buckets, split) * width
+            base = bucket * width
             start = np.int64(h & np.uint64(bmask))
             d = digest_of_nb(h)
             s = -1
@@ -114,24 +128,42 @@ def probe(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
                     break
                 elif ds == D_ERASED and free == width:
                     free = j
-            uslot[u] = s
-            ufree[u] = free
+            slot_at[i] = s
+            free_at[i] = free
             if s >= 0 and pins[s] == PIN_FREE:
                 n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
                 pins[s] = PIN_HELD
         else:
-            s = uslot[u]
-        inverse[i] = u
+            s = slot_at[f]
+        first[i] = f
         slots[i] = s
         if s < 0:
-            hbm = home_bucket_nb(k, h, num_buckets, split) < split
-            tiers[T_HBM_MISSES if hbm else T_DDR_MISSES] += 1
+            tiers[T_HBM_MISSES if bucket < split else T_DDR_MISSES] += 1
         else:
             tiers[T_HBM_HITS if s < hbm_rows else T_DDR_HITS] += 1
             if touch:
                 n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
                 _touch(iscores, s, policy, step, custom, i)
-    return n_u, n_j
+    return n_j
+
+
+@njit(cache=True, nogil=True)
+def number_first(first, slot_at, free_at, inverse, uslot, ufree, upos):
+    """Numbers the distinct keys :func:`probe`'s parts found by first occurrence; returns their
+    count U. Writes ``inverse[i]`` (the number of occurrence i's key) and per distinct key u:
+    ``uslot[u]``, ``ufree[u]`` and ``upos[u]`` (its first occurrence)."""
+    n_u = 0
+    for i in range(first.shape[0]):
+        f = first[i]
+        if f == i:
+            uslot[n_u] = slot_at[i]
+            ufree[n_u] = free_at[i]
+            upos[n_u] = i
+            inverse[i] = n_u
+            n_u += 1
+        else:
+            inverse[i] = inverse[f]  # f < i: numbered already
+    return n_u
 
 
 @njit(cache=True, inline="always")
@@ -152,18 +184,20 @@ def _prefetch_free(k, off, ikeys, iscores, dig, pins, num_buckets, split, bmask)
             prefetch(iscores, base + j)
 
 
-@njit(cache=True)
-def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, policy, step,
-          allowed, inverse, slots, uslot, ufree, journal, n_j, inserted, fresh_pos,
-          ev_keys, ev_slots, ev_scores, out):
-    """Inserts the missing keys after :func:`probe`, occurrence by occurrence, as
-    ``insert_pass`` would: the first allowed occurrence of a missing key inserts it (evicting the
-    lowest-score unpinned slot of a full bucket), later ones touch its slot; one that cannot get
-    a slot fails (and a later occurrence tries again). ``allowed`` (N,) bool or empty (all): the
-    occurrences admission lets in. Updates ``slots``, ``uslot`` and ``inserted``; writes the
-    occurrences that inserted, in order, to ``fresh_pos`` and the evictions to ``ev_*``. ``out``
-    (5,) int64 gets (inserted, evicted, failed, new slots taken, journal length); :func:`count`
-    adds them to the index's counts once the call stands."""
+@njit(cache=True, nogil=True)
+def place(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
+          policy, step, allowed, inverse, slots, uslot, ufree, journal, n_j, inserted, ev_keys,
+          ev_slots, ev_scores, out):
+    """Inserts the missing keys of part ``part`` of ``parts`` (as :func:`probe` splits them)
+    after :func:`number_first`, occurrence by occurrence, as ``insert_pass`` would: the first
+    allowed occurrence of a missing key inserts it (evicting the lowest-score unpinned slot of a
+    full bucket), later ones touch its slot; one that cannot get a slot fails (and a later
+    occurrence tries again). ``allowed`` (N,) bool or empty (all): the occurrences admission
+    lets in. Updates ``slots``, ``uslot`` and ``inserted`` (the occurrences that inserted); an
+    occurrence i that evicted writes the row it evicted to ``ev_keys[i]``, ``ev_slots[i]`` (-1
+    for none; filled by the caller) and ``ev_scores[i]``; :func:`events` lists both in order.
+    ``out`` (5,) int64 gets the part's (inserted, evicted, failed, new slots taken, journal
+    length); :func:`count` adds them to the index's counts once the call stands."""
     width = bmask + 1
     n_ins = 0
     n_ev = 0
@@ -174,6 +208,11 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
     n_todo = 0
     for i in range(keys.shape[0]):
         if slots[i] < 0 and (every or allowed[i]):
+            if parts > 1:
+                k = keys[i]
+                bucket = home_bucket_nb(k, index_hash_nb(k), num_buckets, split)
+                if _owner(bucket, num_buckets, parts) != part:
+                    continue
             todo[n_todo] = i
             n_todo += 1
     for t in range(n_todo):
@@ -208,7 +247,8 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
             if best < 0:
                 n_fail += 1
                 continue
-            n_ev = record_eviction(ev_keys, ev_slots, ev_scores, n_ev, ikeys, best, best_score)
+            record_eviction(ev_keys, ev_slots, ev_scores, i, ikeys, best, best_score)
+            n_ev += 1
             free = best
         else:
             n_new += 1
@@ -217,7 +257,6 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
         uslot[u] = free
         slots[i] = free
         inserted[i] = True
-        fresh_pos[n_ins] = i
         n_ins += 1
     out[0] = n_ins
     out[1] = n_ev
@@ -226,16 +265,36 @@ def place(keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask, po
     out[4] = n_j
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
+def events(inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out):
+    """Lists what :func:`place`'s parts did, in occurrence order: ``fresh_pos`` the occurrences
+    that inserted; ``ev_out`` (3, N) the evicted rows' keys, slots and scores. Returns
+    (inserted, evicted)."""
+    n_ins = 0
+    n_ev = 0
+    for i in range(inserted.shape[0]):
+        if inserted[i]:
+            fresh_pos[n_ins] = i
+            n_ins += 1
+        if ev_slots[i] >= 0:
+            ev_out[0, n_ev] = ev_keys[i]
+            ev_out[1, n_ev] = ev_slots[i]
+            ev_out[2, n_ev] = ev_scores[i]
+            n_ev += 1
+    return n_ins, n_ev
+
+
+@njit(cache=True, nogil=True)
 def count(counts, out):
-    """Adds what :func:`place` did (its ``out``) to the index's counts."""
-    counts[C_INSERTED] += out[0]
-    counts[C_EVICTED] += out[1]
-    counts[C_FAILED] += out[2]
-    counts[C_SIZE_DELTA] += out[3]
+    """Adds what :func:`place`'s parts did (their ``out`` rows) to the index's counts."""
+    for p in range(out.shape[0]):
+        counts[C_INSERTED] += out[p, 0]
+        counts[C_EVICTED] += out[p, 1]
+        counts[C_FAILED] += out[p, 2]
+        counts[C_SIZE_DELTA] += out[p, 3]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def undo(journal, n_j, ikeys, iscores, dig, pins):
     """Restores every slot the journal recorded, last write first: the index is as it was before
     :func:`probe`."""
@@ -247,7 +306,7 @@ def undo(journal, n_j, ikeys, iscores, dig, pins):
         pins[s] = journal[j, 4]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def number(slots, inverse, uslot, upos, n_u, pins, unique_slots, unique_pos):
     """Numbers the entries as ``finish`` does and frees the call's pins; returns their count.
 

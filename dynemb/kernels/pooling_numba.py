@@ -14,16 +14,19 @@ from numba import njit
 
 from dynemb.kernels.prefetch import AHEAD, prefetch_row
 
-_kernel = njit(cache=True, error_model="numpy")
+_kernel = njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_kernel
-def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
-    """Forward: fills ``out`` (B, F·dim) float32. ``weights`` is (N,) or empty."""
+def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, bag_lo, bag_hi):
+    """Forward: fills rows of ``out`` (B, F·dim) float32 for bags ``[bag_lo, bag_hi)`` (a part:
+    bags are independent). ``weights`` is (N,) or empty."""
     weighted = weights.shape[0] > 0
     n_ids = inverse.shape[0]
     i = 0
-    for bag in range(lengths.shape[0]):
+    for bag in range(bag_lo):
+        i += lengths[bag]
+    for bag in range(bag_lo, bag_hi):
         f = bag // batch
         b = bag - f * batch
         acc = out[b, f * dim:(f + 1) * dim]
@@ -49,7 +52,11 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
 def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean, grads,
                   wgrad):
     """Backward: ``grads`` (U, dim) float32 zero-filled receives the summed gradient of each
-    entry; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n."""
+    entry; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n.
+
+    One thread: the sum of an entry's ids must keep their order, and splitting the entries
+    between threads (each thread reading every id, adding only its own entries') measured no
+    faster than one thread here, the work per id being a few vector adds."""
     weighted = weights.shape[0] > 0
     want_w = wgrad.shape[0] > 0
     i = 0

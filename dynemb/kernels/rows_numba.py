@@ -1,5 +1,6 @@
-"""Compiled (numba, single-threaded) row kernels: initialisation, gathers and fused optimizer
-updates. A row is ``[embedding (dim) | optimizer state]`` in a float32 ``rows`` array.
+"""Compiled (numba) row kernels: initialisation, gathers and fused optimizer updates; each row
+is independent, so the backend splits a call into ranges of rows, one thread each. A row is
+``[embedding (dim) | optimizer state]`` in a float32 ``rows`` array.
 
 Optimizer kernels take per-unique-key gradients ``grads`` (U, dim) float32 and the slots (U,)
 of those keys; a slot < 0 (a key without a row) is skipped. They follow the torch.optim rules
@@ -33,7 +34,7 @@ def _normal(a, b, bits, quantiles):
     return a + b * (q0 + f * (np.float64(quantiles[i + 1]) - q0))
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, table_mix):
     """Writes ``dst[dst_rows[m], :dim]`` = initial embedding of ``keys[m]`` and the rest of that
     row = ``state_value``.
@@ -72,7 +73,7 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
             row[j] = state_value
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gather(rows, slots, dim, out):
     """``out[u] = rows[slots[u], :dim]`` for slots >= 0 (others are left as they are)."""
     n = slots.shape[0]
@@ -85,9 +86,10 @@ def gather(rows, slots, dim, out):
                 out[u, j] = rows[s, j]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def copy_rows(src, src_rows, dst, dst_rows):
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` (whole rows; all indices valid)."""
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` (whole rows; all indices valid; ``src`` and
+    ``dst`` are different arrays: the backend copies ranges of ``i`` at once)."""
     n = src_rows.shape[0]
     for i in range(n):
         if i + AHEAD < n:
@@ -101,7 +103,7 @@ def copy_rows(src, src_rows, dst, dst_rows):
 
 # Kernels take per-row views (w, state, g) so LLVM can vectorise the inner loop over j;
 # error_model="numpy" removes Python's division-by-zero checks, which would block that.
-_row_kernel = njit(cache=True, error_model="numpy")
+_row_kernel = njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_row_kernel
@@ -145,7 +147,8 @@ def adagrad(rows, slots, grads, clr, eps, wd):
             w[j] = w[j] - clr * (g / (np.sqrt(a) + eps))
 
 
-@njit(cache=True, error_model="numpy", fastmath={"reassoc"})  # lets LLVM vectorise the row sum (3.5x)
+# fastmath "reassoc" lets LLVM vectorise the row sum (3.5x)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 def rowwise_adagrad(rows, slots, grads, clr, eps, wd):
     clr = np.float32(clr)
     eps = np.float32(eps)

@@ -235,6 +235,10 @@ class EmbeddingConfig:
     ``continuous`` (needs the number of ids; see docs/sharding.md)."""
     backend: str | None = None
     """Kernel backend: ``numba``, ``torch`` or null (numba on CPU, torch elsewhere)."""
+    threads: int | None = None
+    """Threads each table's CPU kernels split a call over (``TableConfig.threads``; results are
+    the same for any count); null: the run's ``threads``. On a small machine one torch thread
+    with the kernels on every core is the fast setting (see docs/architecture.md)."""
     storage: StorageMode = StorageMode.AUTO
     """Every table's storage mode: ``auto`` (the planner chooses HBM_ONLY, HYBRID or CACHING
     and the cache_load_factor at start-up), ``hbm_only``, ``hybrid`` or ``caching`` (the mode
@@ -286,6 +290,8 @@ class EmbeddingConfig:
         _check_int(own, "admission_threshold", self.admission_threshold, 0)
         require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
                 "numba, torch or null")
+        if self.threads is not None:
+            _check_int(own, "threads", self.threads, 1, 1024)
         self._check_planning()
         if self.tables is None or isinstance(self.tables, list):  # `tables:` left empty
             object.__setattr__(self, "tables", tuple(self.tables or ()))

@@ -81,7 +81,7 @@ def table_configs(config: TrainConfig, source: DataSource) -> list[TableConfig]:
             score=emb.score, pooling=emb.pooling, admission=admission,
             initializer=Initializer(std=emb.init_std), on_full=emb.on_full,
             routing=emb.routing, id_range=_id_range(emb, f.num_ids),
-            storage=emb.table_storage()))
+            storage=emb.table_storage(), threads=emb.threads))
     return out
 
 

@@ -3,18 +3,22 @@ steps (``backend.staged_lookup``: find, admission, insert, finish), bit for bit.
 
 Random call sequences on a small index whose buckets overflow: every score policy, per-occurrence
 custom scores, repeated keys, atomic calls that fail, admission letting in a subset, tombstones
-(erase), slots held by lookups in flight, and a two-tier (HYBRID) index. After every call both
+(erase), slots held by lookups in flight, and a two-tier (HYBRID) index, with the fused lookup
+split over 1, 2 or 3 threads (each thread takes a range of buckets). After every call both
 indexes' arrays and every field of the two results must be equal.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynemb.kernels.backend import NUMBA, TORCH, staged_lookup
+from dynemb.kernels import threads
+from dynemb.kernels.backend import NUMBA, TORCH, NumbaBackend, staged_lookup
 from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
 from dynemb.table.index import HashIndex
 
@@ -37,15 +41,15 @@ def _arrays(ix: HashIndex) -> dict[str, torch.Tensor]:
                                                 "counts")}
 
 
-def _run(ix, fused: bool, keys, custom, policy, step, touch, atomic, mod):
+def _run(ix, fused: NumbaBackend | None, keys, custom, policy, step, touch, atomic, mod):
     admit = None
     if mod is not None:
         def admit(miss):
             return miss[keys[miss] % mod != 0]
     kw = dict(touch=touch, insert=touch, atomic=atomic and touch, admit=admit,
               hbm_rows=ix.split * ix.width)
-    if fused:
-        return NUMBA.lookup(ix, keys, custom, policy, step, **kw)
+    if fused is not None:
+        return fused.lookup(ix, keys, custom, policy, step, **kw)
     return staged_lookup(NUMBA, ix, keys, custom, policy, step, **kw)
 
 
@@ -67,8 +71,13 @@ def _equal(a, b) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(POLICIES), st.sampled_from([NB, 1]), st.lists(call_st, max_size=12),
-       st.randoms(use_true_random=False))
-def test_fused_lookup_equals_its_steps(policy, split, calls, rnd):
+       st.sampled_from([1, 2, 3]), st.randoms(use_true_random=False))
+def test_fused_lookup_equals_its_steps(policy, split, calls, n_threads, rnd):
+    with mock.patch.object(threads, "MIN_PER_PART", 1):  # split even calls of a few keys
+        _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd)
+
+
+def _check_sequence(policy, split, calls, fused, rnd):
     ixs = [HashIndex(NB, WIDTH, torch.device("cpu"), NUMBA, split=split) for _ in range(2)]
     holds: list[torch.Tensor] = []
     for step, (keys, touch, atomic, mod, erased, n_hold) in enumerate(calls, start=1):
@@ -77,8 +86,8 @@ def test_fused_lookup_equals_its_steps(policy, split, calls, rnd):
         if policy == P_CUSTOM and rnd.random() < 0.8:  # per-occurrence scores, or none
             custom = torch.tensor([rnd.randrange(0, 40) for _ in range(keys.numel())],
                                   dtype=torch.int64)
-        results = [_run(ix, fused, keys, custom, policy, step, touch, atomic, mod)
-                   for ix, fused in zip(ixs, (True, False))]
+        results = [_run(ix, be, keys, custom, policy, step, touch, atomic, mod)
+                   for ix, be in zip(ixs, (fused, None))]
         _equal(*results)
         if n_hold:  # (a refused atomic call has no entries: nothing to hold)
             placed = results[0].unique_slots[results[0].unique_slots >= 0]

@@ -79,6 +79,15 @@ def test_the_docs_example_resolves_on_movielens():
     assert type(tables["zip"].optimizer) is dynemb.SGD and tables["user"].dim == 16
 
 
+def test_the_kernel_thread_count_reaches_every_table():
+    assert {t.threads for t in table_configs(config(), MovieLens100K())} == {None}
+    cfg = config("embeddings: {threads: 2}")
+    assert {t.threads for t in table_configs(cfg, MovieLens100K())} == {2}
+    with pytest.raises(ConfigError, match=r"EmbeddingConfig\.threads: expected an int in "
+                                          r"\[1, 1024\], found 0"):
+        config("embeddings: {threads: 0}")
+
+
 def test_an_entry_that_matches_no_table_is_refused_naming_the_tables():
     cfg = config("embeddings: {tables: [{match: usr, dim: 4}]}")
     with pytest.raises(ConfigError, match=r"tables\[0\]: match 'usr' names no table; the "

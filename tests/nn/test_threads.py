@@ -1,0 +1,123 @@
+"""Thread counts (``TableConfig.threads``): a collection trained with 1, 2 or 3 threads per call
+gives bit-identical pooled outputs, weight gradients, rows, optimizer state, scores, counters
+and eviction records, on tables that fill up and evict (HBM_ONLY and HYBRID, every optimizer,
+SUM and MEAN pooling, weighted ids).
+
+Two ways: every call split however small (``MIN_PER_PART`` 1, so each kernel runs its parts at
+once even on a few ids), and calls large enough that the library splits them itself.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import dynemb
+from dynemb.config import Storage, StorageMode
+from dynemb.errors import ConfigError
+from dynemb.kernels import threads
+
+OPTIMIZERS = {
+    "sgd": dynemb.SGD(lr=0.1),
+    "adagrad": dynemb.Adagrad(lr=0.1),
+    "rowwise_adagrad": dynemb.RowWiseAdagrad(lr=0.1),
+    "adam": dynemb.Adam(lr=0.01),
+}
+STEPS = 4
+
+
+def _tables(optimizer, n_threads: int, capacity: int) -> list[dynemb.TableConfig]:
+    hybrid = Storage(mode=StorageMode.HYBRID, cache_load_factor=0.5)
+    width = 8 if capacity < 1024 else 128  # buckets enough for three parts
+    return [
+        dynemb.TableConfig(name="a", dim=8, features=("f0", "f1"), capacity=capacity,
+                           optimizer=optimizer, bucket_capacity=width, threads=n_threads),
+        dynemb.TableConfig(name="b", dim=5, features=("f2",), capacity=capacity,
+                           optimizer=optimizer, pooling=dynemb.PoolingMode.MEAN,
+                           bucket_capacity=width, storage=hybrid, threads=n_threads),
+    ]
+
+
+def _batches(batch: int, span: int) -> list[dynemb.SparseBatch]:
+    """Zipf-like ids over ``span`` keys (more than the tables hold), 0-6 per bag, weighted."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(STEPS):
+        lengths = torch.randint(0, 7, (3 * batch,), generator=g)
+        n = int(lengths.sum())
+        ids = (torch.rand(n, generator=g) ** 3 * span).long() * 7919 - span
+        out.append(dynemb.SparseBatch(features=["f0", "f1", "f2"], values=ids, lengths=lengths,
+                                      weights=torch.rand(n, generator=g) + 0.5))
+    return out
+
+
+def _train(optimizer, n_threads: int, batch: int, capacity: int, span: int) -> dict:
+    torch.manual_seed(0)
+    ebc = dynemb.EmbeddingBagCollection(_tables(optimizer, n_threads, capacity))
+    proj = torch.randn(batch, 8 + 8 + 5, generator=torch.Generator().manual_seed(3))
+    seen: dict[str, list] = {"out": [], "wgrad": []}
+    for b in _batches(batch, span):
+        w = b.weights.clone().requires_grad_(True)
+        b = dynemb.SparseBatch(features=b.features, values=b.values, lengths=b.lengths,
+                               weights=w)
+        out = ebc(b).values()
+        (out * proj).sum().backward()
+        seen["out"].append(out.detach())
+        seen["wgrad"].append(w.grad)
+    for name, t in ebc.tables.items():
+        e = t.export_batch(0, t.capacity())
+        seen[name] = (e.keys, e.embeddings, e.optimizer_state, e.scores)
+        seen[name + " stats"] = t.stats()
+    return seen
+
+
+def _same(a: dict, b: dict) -> None:
+    for name in a:
+        if name.endswith("stats"):
+            assert a[name] == b[name], name
+            continue
+        for x, y in zip(a[name], b[name], strict=True):
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_thread_counts_agree_bit_for_bit_on_calls_split_however_small(name):
+    with mock.patch.object(threads, "MIN_PER_PART", 1):
+        runs = [_train(OPTIMIZERS[name], n, batch=6, capacity=64, span=200) for n in (1, 2, 3)]
+    assert runs[0]["a stats"].evicted > 0
+    _same(runs[0], runs[1])
+    _same(runs[0], runs[2])
+
+
+def test_thread_counts_agree_bit_for_bit_at_the_sizes_the_library_splits():
+    assert threads.parts_for(3, 3 * 700 * 3) == 3  # these calls are split
+    runs = [_train(OPTIMIZERS["adam"], n, batch=700, capacity=4096, span=20000)
+            for n in (1, 2, 3)]
+    assert runs[0]["a stats"].evicted > 0
+    _same(runs[0], runs[1])
+    _same(runs[0], runs[2])
+
+
+def test_threads_must_be_a_positive_count():
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ConfigError, match="threads"):
+            dynemb.TableConfig(name="t", dim=4, features=("f",), capacity=8, threads=bad)
+    assert dynemb.TableConfig(name="t", dim=4, features=("f",), capacity=8).threads is None
+
+
+def test_run_parts_waits_for_every_part_and_raises_a_parts_error():
+    ended = []
+
+    def part(p):
+        if p == 1:
+            raise ValueError("part 1 failed")
+        ended.append(p)
+        return p
+
+    with pytest.raises(ValueError, match="part 1 failed"):
+        threads.run_parts(part, 3)
+    assert sorted(ended) == [0, 2]
+    assert threads.run_parts(lambda p: p * 10, 3) == [0, 10, 20]
+    assert threads.ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]
