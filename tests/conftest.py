@@ -54,3 +54,32 @@ def group_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def cyclic_garbage():
+    """``cyclic_garbage(fn)``: runs ``fn`` after a collection, then collects again; returns the
+    type names of what fn left in reference cycles among dynemb objects, plain tensors and
+    dynemb's autograd nodes (other garbage, e.g. torch.compile's from earlier tests, may turn
+    up and is not counted)."""
+    import gc
+
+    import torch
+
+    def ours(obj) -> bool:
+        kind = type(obj)
+        return (kind.__module__.startswith("dynemb") or kind is torch.Tensor
+                or kind.__name__.endswith("FnBackward"))
+
+    def run(fn) -> list[str]:
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            fn()
+            gc.collect()
+            return sorted({type(o).__name__ for o in gc.garbage if ours(o)})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+
+    return run

@@ -3,7 +3,6 @@ eval mode, admission and capacity through the module, bad input, rows evicted be
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -42,7 +41,7 @@ def test_keyed_embeddings_layout(backend):
 
 
 @pytest.mark.parametrize("cls", ["bags", "rows"])
-def test_a_step_leaves_no_reference_cycle(backend, cls):
+def test_a_step_leaves_no_reference_cycle(backend, cls, cyclic_garbage):
     """A training step's tensors (outputs, lookups, autograd nodes) are freed when the step's
     last reference goes, not when the garbage collector next runs: an output whose grad_fn held
     it through the node's state kept every step's outputs alive until a collection."""
@@ -60,16 +59,7 @@ def test_a_step_leaves_no_reference_cycle(backend, cls):
         sum(p.sum() for p in parts).backward()
 
     step()
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        step()
-        found = gc.collect()
-        kinds = sorted({type(o).__name__ for o in gc.garbage})
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert found == 0, kinds
+    assert cyclic_garbage(step) == []
 
 
 def test_batch_feature_order_does_not_matter(backend):
