@@ -19,17 +19,21 @@ after feature), the payload for owner o is, in this order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from dynemb.batch import SparseBatch, check_lengths
-from dynemb.config import ScorePolicy, TableConfig
+from dynemb.config import Routing, ScorePolicy, TableConfig
 from dynemb.distributed import comm
-from dynemb.distributed.routing import route_table
+from dynemb.distributed.routing import continuous_block, route_table
+from dynemb.kernels import group_numba as gnb
 
 if TYPE_CHECKING:
     from dynemb.distributed.base import ShardedCollection
+
+_NO_LENGTHS = torch.empty(0, dtype=torch.int64)
 
 
 def counts_occurrences(config: TableConfig, training: bool) -> bool:
@@ -101,45 +105,110 @@ def table_ids(config: TableConfig, batch: SparseBatch, device: torch.device
     return keys, lengths, weights
 
 
-def _dedup_by_owner(keys: torch.Tensor, config: TableConfig, world_size: int):
-    """(unique keys grouped by owner (U,), position of each key (N,), owner of each unique key
-    grouped (U,), owner of each key (N,), unique counts per owner (W,))."""
+class _Grouped(NamedTuple):
+    """A table's ids grouped by owner (``_group``)."""
+
+    unique_keys: torch.Tensor
+    """(U,) distinct keys, grouped by owner (ascending), each owner's in ascending order."""
+    position: torch.Tensor
+    """(N,) index of each id in ``unique_keys``."""
+    occ_owner: torch.Tensor
+    """(N,) owner of each id."""
+    occ_order: torch.Tensor
+    """(N,) the ids by owner, each owner's in batch order (pooled only; else empty)."""
+    sent: torch.Tensor
+    """(N,) pooled: in that order, each id's index among its owner's distinct keys."""
+    touched_bags: torch.Tensor
+    """(T,) pooled: each owner's bags with ids there, in bag order, owner after owner."""
+    touched_len: torch.Tensor
+    """(T,) pooled: ids of each of those bags."""
+    u_counts: list[int]
+    """(W,) distinct keys per owner."""
+    n_counts: list[int]
+    """(W,) ids per owner."""
+    t_counts: list[int]
+    """(W,) touched bags per owner (pooled; else zeros)."""
+
+
+_ROUTING_CODES = {Routing.ROUNDROBIN: gnb.R_ROUNDROBIN,
+                  Routing.HASH_ROUNDROBIN: gnb.R_HASH_ROUNDROBIN,
+                  Routing.CONTINUOUS: gnb.R_CONTINUOUS}
+
+
+def _group(keys: torch.Tensor, lengths: torch.Tensor | None, config: TableConfig,
+           world_size: int) -> _Grouped:
+    """Dedups, routes and groups the ids ``keys`` by owner; ``lengths`` (F·B,) for a pooled
+    table (None: a sequence one). On CPU one compiled pass (``kernels.group_numba``), else
+    :func:`_group_torch`; the two agree element for element."""
+    if keys.device.type != "cpu":
+        return _group_torch(keys, lengths, config, world_size)
+    n, w = keys.numel(), world_size
+    block = (continuous_block(config.id_range, w)
+             if config.routing == Routing.CONTINUOUS and w > 1 else 1)
+    table = np.empty((1 << max(4, (2 * n - 1).bit_length()), 2), np.int64)
+    unique_keys, position, occ_owner, occ_order = (torch.empty(n, dtype=torch.int64)
+                                                   for _ in range(4))
+    pooled = lengths is not None
+    sent, touched_bags, touched_len = (torch.empty(n if pooled else 0, dtype=torch.int64)
+                                       for _ in range(3))
+    counts = np.zeros((3, w), np.int64)
+    u, t = gnb.group_by_owner(
+        keys.numpy(), (lengths if pooled else _NO_LENGTHS).numpy(),
+        _ROUTING_CODES[config.routing], w, block, table, unique_keys.numpy(),
+        position.numpy(), occ_owner.numpy(), occ_order.numpy(), counts[0], counts[1],
+        sent.numpy(), touched_bags.numpy(), touched_len.numpy(), counts[2])
+    u_list, n_list, t_list = counts.tolist()
+    return _Grouped(unique_keys[:u], position, occ_owner, occ_order if pooled else _NO_LENGTHS,
+                    sent, touched_bags[:t], touched_len[:t], u_list, n_list, t_list)
+
+
+def _group_torch(keys: torch.Tensor, lengths: torch.Tensor | None, config: TableConfig,
+                 world_size: int) -> _Grouped:
+    """:func:`_group` with torch's sorts (any device)."""
     uniq, inv = torch.unique(keys, sorted=True, return_inverse=True)
     owner = route_table(uniq, config, world_size)
-    owner_sorted, order = torch.sort(owner, stable=True)
+    _, order = torch.sort(owner, stable=True)
     rank_of = torch.empty_like(order)
     rank_of[order] = torch.arange(order.numel(), device=keys.device)
-    counts = torch.bincount(owner, minlength=world_size)
-    return uniq[order], rank_of[inv], owner_sorted, owner[inv], counts
+    u_counts = torch.bincount(owner, minlength=world_size)
+    occ_owner = owner[inv]
+    n_counts = torch.bincount(occ_owner, minlength=world_size)
+    empty = keys[:0]
+    position = rank_of[inv]
+    if lengths is None:
+        return _Grouped(uniq[order], position, occ_owner, empty, empty, empty, empty,
+                        u_counts.tolist(), n_counts.tolist(), [0] * world_size)
+    n, num_bags = keys.numel(), lengths.numel()
+    owner_sorted, occ_order = torch.sort(occ_owner, stable=True)
+    bag = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
+                                  output_size=n)
+    pair = owner_sorted * num_bags + bag[occ_order]
+    touched, touched_len = torch.unique_consecutive(pair, return_counts=True)
+    touched_owner = torch.div(touched, max(num_bags, 1), rounding_mode="floor")
+    t_counts = torch.bincount(touched_owner, minlength=world_size)
+    u_start = torch.cumsum(u_counts, 0) - u_counts
+    sent = (position - u_start[occ_owner])[occ_order]
+    return _Grouped(uniq[order], position, occ_owner, occ_order, sent,
+                    touched - touched_owner * num_bags, touched_len, u_counts.tolist(),
+                    n_counts.tolist(), t_counts.tolist())
 
 
 def plan_pooled(config: TableConfig, batch: SparseBatch, world_size: int,
                 device: torch.device) -> TableRequest:
     """The request of one pooled table (see the module docstring for the payload)."""
     keys, lengths, weights = table_ids(config, batch, device)
-    n, num_bags = keys.numel(), lengths.numel()
-    unique_keys, position, _, occ_owner, u_counts = _dedup_by_owner(keys, config, world_size)
-    u_start = torch.cumsum(u_counts, 0) - u_counts
-    local = position - u_start[occ_owner]  # index into the owner's part of unique_keys
-    owner_sorted, occ_order = torch.sort(occ_owner, stable=True)
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths, output_size=n)
-    pair = owner_sorted * num_bags + bag[occ_order]
-    touched, touched_len = torch.unique_consecutive(pair, return_counts=True)
-    touched_owner = torch.div(touched, max(num_bags, 1), rounding_mode="floor")
-    touched_bags = touched - touched_owner * num_bags
-    t_counts = torch.bincount(touched_owner, minlength=world_size)
-    n_counts = torch.bincount(occ_owner, minlength=world_size)
-    u_list, t_list, n_list = u_counts.tolist(), t_counts.tolist(), n_counts.tolist()
-    sections = [torch.split(unique_keys, u_list), torch.split(touched_len, t_list),
-                torch.split(local[occ_order], n_list)]
+    g = _group(keys, lengths, config, world_size)
+    sections = [torch.split(g.unique_keys, g.u_counts), torch.split(g.touched_len, g.t_counts),
+                torch.split(g.sent, g.n_counts)]
     if weights is not None:
-        bits = weights[occ_order].to(torch.float64).view(torch.int64)
-        sections.append(torch.split(bits, n_list))
+        bits = weights[g.occ_order].to(torch.float64).view(torch.int64)
+        sections.append(torch.split(bits, g.n_counts))
     payload, splits = _interleave(sections, world_size)
     return TableRequest(config=config, batch=batch.batch_size, lengths=lengths,
-                        unique_keys=unique_keys, position=position, unique_counts=u_list,
-                        occ_counts=n_list, touched_bags=touched_bags, touched_counts=t_list,
-                        occ_order=occ_order, payload=payload, payload_splits=splits)
+                        unique_keys=g.unique_keys, position=g.position,
+                        unique_counts=g.u_counts, occ_counts=g.n_counts,
+                        touched_bags=g.touched_bags, touched_counts=g.t_counts,
+                        occ_order=g.occ_order, payload=payload, payload_splits=splits)
 
 
 def plan_sequence(config: TableConfig, batch: SparseBatch, world_size: int, device: torch.device,
@@ -147,19 +216,18 @@ def plan_sequence(config: TableConfig, batch: SparseBatch, world_size: int, devi
     """The request of one sequence (unpooled) table: unique keys per owner (and, with
     ``occurrences``, how often each occurs)."""
     keys, lengths, _ = table_ids(config, batch, device)
-    unique_keys, position, _, occ_owner, u_counts = _dedup_by_owner(keys, config, world_size)
-    u_list = u_counts.tolist()
-    n_list = torch.bincount(occ_owner, minlength=world_size).tolist()
-    sections = [torch.split(unique_keys, u_list)]
+    g = _group(keys, None, config, world_size)
+    sections = [torch.split(g.unique_keys, g.u_counts)]
     if occurrences:
-        mult = torch.bincount(position, minlength=unique_keys.numel())
-        sections.append(torch.split(mult, u_list))
+        mult = torch.bincount(g.position, minlength=g.unique_keys.numel())
+        sections.append(torch.split(mult, g.u_counts))
     payload, splits = _interleave(sections, world_size)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     return TableRequest(config=config, batch=batch.batch_size, lengths=lengths,
-                        unique_keys=unique_keys, position=position, unique_counts=u_list,
-                        occ_counts=n_list, touched_bags=empty, touched_counts=[0] * world_size,
-                        occ_order=empty, payload=payload, payload_splits=splits)
+                        unique_keys=g.unique_keys, position=g.position,
+                        unique_counts=g.u_counts, occ_counts=g.n_counts, touched_bags=empty,
+                        touched_counts=[0] * world_size, occ_order=empty, payload=payload,
+                        payload_splits=splits)
 
 
 def _interleave(sections: list[tuple[torch.Tensor, ...]], world_size: int
