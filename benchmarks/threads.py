@@ -18,12 +18,9 @@ two).
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-import dynemb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,19 +30,11 @@ from train_step import Ours, Stream, parse_args, warm_up  # noqa: E402
 TARGET = 1.6
 
 
-def _ours(args, dim: int, opt: str, threads: int | None) -> Ours:
-    ours = Ours(args, dim, opt)
-    if threads is not None:  # the same table with TableConfig.threads set
-        config = replace(ours.table.config, threads=threads)
-        ours.ebc = dynemb.EmbeddingBagCollection([config])
-        ours.table = ours.ebc.tables[config.name]
-    return ours
-
-
 def measure(args, dim: int, opt: str, n: int) -> dict:
     """{configuration: (torch threads, implementation)} timed over the same steps."""
-    configs = {"1": (1, _ours(args, dim, opt, 1)), f"table_{n}": (1, _ours(args, dim, opt, n)),
-               f"torch_{n}": (n, _ours(args, dim, opt, None))}
+    configs = {"1": (1, Ours(args, dim, opt, threads=1)),
+               f"table_{n}": (1, Ours(args, dim, opt, threads=n)),
+               f"torch_{n}": (n, Ours(args, dim, opt))}
     warm = {}
     for name, (t, ours) in configs.items():
         torch.set_num_threads(t)

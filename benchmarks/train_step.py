@@ -120,13 +120,14 @@ class Stream:
 class Ours:
     name = "dynemb"
 
-    def __init__(self, args, dim: int, opt: str, capacity: int | None = None) -> None:
+    def __init__(self, args, dim: int, opt: str, capacity: int | None = None,
+                 threads: int | None = None) -> None:
         config = {"sgd": lambda: dynemb.SGD(lr=LR[opt]),
                   "rowwise_adagrad": lambda: dynemb.RowWiseAdagrad(lr=LR[opt], eps=EPS[opt]),
                   "adam": lambda: dynemb.Adam(lr=LR[opt], eps=EPS[opt])}[opt]()
         table = dynemb.TableConfig(name="t", dim=dim, features=["f"],
                                    capacity=capacity or args.capacity, optimizer=config,
-                                   score=dynemb.ScorePolicy.LRU)
+                                   score=dynemb.ScorePolicy.LRU, threads=threads)
         self.ebc = dynemb.EmbeddingBagCollection([table])
         self.table = self.ebc.tables["t"]
         self.rule = f"dynemb.{type(config).__name__} (fused)"

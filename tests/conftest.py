@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -62,9 +64,6 @@ def cyclic_garbage():
     type names of what fn left in reference cycles among dynemb objects, plain tensors and
     dynemb's autograd nodes (other garbage, e.g. torch.compile's from earlier tests, may turn
     up and is not counted)."""
-    import gc
-
-    import torch
 
     def ours(obj) -> bool:
         kind = type(obj)

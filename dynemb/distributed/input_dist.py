@@ -29,6 +29,7 @@ from dynemb.config import Routing, ScorePolicy, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.routing import continuous_block, route_table
 from dynemb.kernels import group_numba as gnb
+from dynemb.kernels.lookup_numba import set_size
 
 if TYPE_CHECKING:
     from dynemb.distributed.base import ShardedCollection
@@ -145,7 +146,7 @@ def _group(keys: torch.Tensor, lengths: torch.Tensor | None, config: TableConfig
     n, w = keys.numel(), world_size
     block = (continuous_block(config.id_range, w)
              if config.routing == Routing.CONTINUOUS and w > 1 else 1)
-    table = np.empty((1 << max(4, (2 * n - 1).bit_length()), 2), np.int64)
+    table = np.empty((set_size(n), 2), np.int64)
     unique_keys, position, occ_owner, occ_order = (torch.empty(n, dtype=torch.int64)
                                                    for _ in range(4))
     pooled = lengths is not None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -56,11 +56,8 @@ def run_parts(fn: Callable[[int], object], parts: int) -> list:
     try:
         first = fn(0)
     finally:
-        rest = [f.exception() or f.result() for f in futures]  # wait for all, errors too
-    for r in rest:
-        if isinstance(r, BaseException):
-            raise r
-    return [first, *rest]
+        wait(futures)  # no part may still be running when this returns or raises
+    return [first, *(f.result() for f in futures)]
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:
