@@ -104,7 +104,8 @@ class SparseBatch:
         self._validate()
         self.batch_size = lengths.numel() // len(self.features) if self.features else 0
         per_feature = lengths.view(len(self.features), self.batch_size).sum(dim=1)
-        self._feature_offsets = [0, *torch.cumsum(per_feature, 0).tolist()]
+        self.feature_offsets: tuple[int, ...] = (0, *torch.cumsum(per_feature, 0).tolist())
+        """(F + 1,) where each feature's ids start in ``values``, then N."""
 
     def _validate(self) -> None:
         names, values, lengths, weights = self.features, self.values, self.lengths, self.weights
@@ -247,7 +248,7 @@ class SparseBatch:
         if name not in self.features:
             raise InputError(f"SparseBatch: no feature {name!r}; the batch has {list(self.features)}.")
         f = self.features.index(name)
-        lo, hi = self._feature_offsets[f], self._feature_offsets[f + 1]
+        lo, hi = self.feature_offsets[f], self.feature_offsets[f + 1]
         lengths = self.lengths[f * self.batch_size:(f + 1) * self.batch_size]
         weights = None if self.weights is None else self.weights[lo:hi]
         return self.values[lo:hi], lengths, weights

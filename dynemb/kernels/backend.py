@@ -264,15 +264,16 @@ class NumbaBackend:
 
     def pool(self, rows, extra, src, inverse, lengths, weights, batch, dim, mean, out):
         args = (_np(rows), _np(extra), _np(src), _np(inverse), _np(lengths), _np(weights),
-                batch, dim, mean, _np(out))
+                batch, dim, mean, _np(out), 0)
         # split by bags, into as many parts as the ids are worth
         bags = ranges(lengths.shape[0], self._parts(inverse.shape[0]))
         run_parts(lambda p: pnb.pool(*args, *bags[p]), len(bags))
 
     def pool_backward(self, gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean,
                       grads, wgrad):
-        pnb.pool_backward(_np(gout.contiguous()), _np(rows), _np(extra), _np(src), _np(inverse),
-                          _np(lengths), _np(weights), batch, dim, mean, _np(grads), _np(wgrad))
+        pnb.pool_backward(_np(gout.contiguous()), 0, _np(rows), _np(extra), _np(src),
+                          _np(inverse), _np(lengths), _np(weights), batch, dim, mean, _np(grads),
+                          _np(wgrad))
 
     def optimizer(self, name):
         kernel = getattr(rnb, name)

@@ -49,6 +49,15 @@ def set_size(n: int) -> int:
 
 
 @njit(cache=True, inline="always")
+def set_size_nb(n):
+    """:func:`set_size` in compiled code."""
+    m = 16
+    while m < 2 * n:
+        m <<= 1
+    return m
+
+
+@njit(cache=True, inline="always")
 def _save(journal, n_j, s, ikeys, iscores, dig, pins):
     """Appends slot s's state to the journal (an atomic call); returns the new length."""
     if journal.shape[0] > 0:

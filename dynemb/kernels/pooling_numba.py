@@ -18,9 +18,11 @@ _kernel = njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_kernel
-def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, bag_lo, bag_hi):
-    """Forward: fills rows of ``out`` (B, F·dim) float32 for bags ``[bag_lo, bag_hi)`` (a part:
-    bags are independent). ``weights`` is (N,) or empty."""
+def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, col, bag_lo, bag_hi):
+    """Forward: fills rows of ``out`` (B, ≥ col + F·dim) float32, columns from ``col``, for bags
+    ``[bag_lo, bag_hi)`` (a part: bags are independent). ``weights`` is (N,) or empty. (A
+    column offset, not a column slice: a slice's rows are strided views LLVM cannot
+    vectorise.)"""
     weighted = weights.shape[0] > 0
     n_ids = inverse.shape[0]
     i = 0
@@ -29,7 +31,7 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, bag
     for bag in range(bag_lo, bag_hi):
         f = bag // batch
         b = bag - f * batch
-        acc = out[b, f * dim:(f + 1) * dim]
+        acc = out[b, col + f * dim:col + (f + 1) * dim]
         acc[:] = 0.0
         n = lengths[bag]
         for _ in range(n):
@@ -49,10 +51,10 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, bag
 
 
 @_kernel
-def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean, grads,
-                  wgrad):
+def pool_backward(gout, col, rows, extra, src, inverse, lengths, weights, batch, dim, mean,
+                  grads, wgrad):
     """Backward: ``grads`` (U, dim) float32 zero-filled receives the summed gradient of each
-    entry; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n.
+    entry from ``gout`` (B, ≥ col + F·dim), columns from ``col``; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n.
 
     One thread: the sum of an entry's ids must keep their order, and splitting the entries
     between threads (each thread reading every id, adding only its own entries') measured no
@@ -63,7 +65,7 @@ def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim,
     for bag in range(lengths.shape[0]):
         f = bag // batch
         b = bag - f * batch
-        g = gout[b, f * dim:(f + 1) * dim]
+        g = gout[b, col + f * dim:col + (f + 1) * dim]
         n = lengths[bag]
         scale = np.float32(1.0 / n) if (mean and n > 1) else np.float32(1.0)
         for _ in range(n):

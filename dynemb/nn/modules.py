@@ -22,6 +22,7 @@ from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
 from dynemb.kernels.backend import backend_for
+from dynemb.nn.grouped import GroupStep, TableGroup, groupable
 from dynemb.nn.staging import Stageable, Staged, check_idle
 from dynemb.table import snapshot
 from dynemb.table.memory import storage_layout
@@ -112,6 +113,24 @@ class _PoolState:
                                     self.mean, grads, wgrad)
         t.apply_gradients(lk, grads)
         return wgrad
+
+
+class _GroupFn(torch.autograd.Function):
+    """(B, group width) pooled embeddings of a collection's grouped tables
+    (``dynemb.nn.grouped``); backward sums the gradient per entry and applies each table's
+    fused optimizer, one compiled call for the whole group."""
+
+    @staticmethod
+    def forward(ctx, step: GroupStep, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.step = step
+        values, step.values = step.values, None  # its grad_fn will be this node: no cycle
+        return values
+
+    @staticmethod
+    def backward(ctx, gout: torch.Tensor):
+        with ctx.step.timer("backward"):
+            ctx.step.backward(gout)
+        return None, None
 
 
 class _PooledFn(torch.autograd.Function):
@@ -442,30 +461,63 @@ class EmbeddingBagCollection(_Collection):
             skipped ("ignore", as torchrec's collections do).
     """
 
+    _group: TableGroup | bool | None = None
+    """The grouped tables (``dynemb.nn.grouped``), False when none is groupable; made on the
+    first step that can run grouped."""
+
     @torch.compiler.disable  # a graph break: torch.compile never traces the tables
     def forward(self, batch: SparseBatch) -> KeyedEmbeddings:
         staged = self._take(batch) if self._stages is not None else self._eager(batch)
-        outs, keys, dims = [], [], []
+        pieces: dict[str, tuple[torch.Tensor, int, int]] = {}  # table -> (tensor, columns)
         for state, weights in staged.out:
+            if isinstance(state, GroupStep):
+                values = _GroupFn.apply(state, self._anchor)
+                for t, (lo, hi) in zip(state.group.tables, state.group.cols):
+                    pieces[t.name] = (values, lo, hi)
+                continue
             values = state.values
             if staged.updates:
                 values = _PooledFn.apply(state, self._anchor, weights)
-            outs.append(values)
-            keys += state.table.config.features
-            dims += [state.table.dim] * len(state.table.config.features)
-        return KeyedEmbeddings(keys, dims, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+            pieces[state.table.name] = (values, 0, values.shape[1])
+        keys = [f for c in self.configs for f in c.features]
+        dims = [c.dim for c in self.configs for _ in c.features]
+        return KeyedEmbeddings(keys, dims, _columns([pieces[c.name] for c in self.configs]))
 
     def stage_lookup(self, staged: Staged) -> None:
         """Looks the batch up in every table and pools it (rows held until its backward when
-        a pipeline drives the collection)."""
+        a pipeline drives the collection); a training step runs its groupable tables grouped
+        (``dynemb.nn.grouped``)."""
         with self._timed("lookup"):
-            out = []
+            out, group = [], self._group_for(staged)
+            if group is not None:
+                out.append((group.lookup(staged.state, self._timed), None))
+            grouped = set() if group is None else set(group.tables)
             for table in self.tables.values():
+                if table in grouped:
+                    continue
                 state, weights = self._pool_state(table, staged)
                 state.values = state.pool(keep_entries=staged.updates and weights.requires_grad)
                 state.timer = self._timed
                 out.append((state, weights))
         staged.out = out
+
+    def _group_for(self, staged: Staged) -> TableGroup | None:
+        """The group a step runs its groupable tables in, or None (the per-table path): a step
+        that updates rows, with unweighted ids and at least one sample, whose rows no pipeline
+        holds."""
+        batch = staged.state
+        if (not staged.updates or self._holds(staged) or batch.weights is not None
+                or batch.batch_size == 0):
+            return None
+        if self._group is None:
+            tables = [t for t in self.tables.values() if groupable(t)]
+            self._group = TableGroup(tables, _fallback_state) if tables else False
+        return self._group or None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_group", None)  # numba lists of the tables' arrays: made again on use
+        return state
 
     def _pool_state(self, table: DynamicTable, staged: Staged) -> tuple[_PoolState, torch.Tensor]:
         """The table's lookup over all its features, and the weights tensor autograd should see."""
@@ -480,6 +532,27 @@ class EmbeddingBagCollection(_Collection):
                            weights=weights.detach().contiguous(), batch=batch.batch_size,
                            mean=table.config.pooling == PoolingMode.MEAN)
         return state, weights
+
+
+def _fallback_state(table: DynamicTable, lk: Lookup, lengths: torch.Tensor,
+                    batch: int) -> _PoolState:
+    """A grouped table's own pooled state (``TableGroup``'s ``make_state``)."""
+    return _PoolState(table=table, lookup=lk, lengths=lengths,
+                      weights=torch.empty(0, dtype=torch.float32), batch=batch,
+                      mean=table.config.pooling == PoolingMode.MEAN)
+
+
+def _columns(pieces: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+    """The column ranges ``(tensor, lo, hi)`` side by side; adjacent ranges of one tensor are
+    taken as one slice (a whole tensor as it is)."""
+    merged: list[list] = []
+    for values, lo, hi in pieces:
+        if merged and merged[-1][0] is values and merged[-1][2] == lo:
+            merged[-1][2] = hi
+        else:
+            merged.append([values, lo, hi])
+    cols = [v if (lo, hi) == (0, v.shape[1]) else v[:, lo:hi] for v, lo, hi in merged]
+    return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
 
 
 class EmbeddingCollection(_Collection):

@@ -67,6 +67,21 @@ class RowOptimizer:
         scale = clip_scale(max_norm, float(grad_norm_sq(grads, valid)))
         return grads * scale if scale < 1.0 else grads
 
+    def kernel_args(self, t: int) -> tuple[str, tuple[float, ...]]:
+        """(kernel name, hyper-parameters) of optimizer step ``t`` (1 for the first): the
+        learning rate decayed and Adam's bias corrections folded in."""
+        c = self.config
+        kind = type(c)
+        if kind is SGD:
+            return "sgd", (c.lr, c.weight_decay)
+        if kind in (Adagrad, RowWiseAdagrad):
+            clr = c.lr / (1.0 + (t - 1) * c.lr_decay)
+            return ("adagrad" if kind is Adagrad else "rowwise_adagrad"), (clr, c.eps,
+                                                                            c.weight_decay)
+        b1, b2 = c.betas
+        step_size = c.lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        return "adam", (step_size, b1, b2, c.eps, c.weight_decay)
+
     def apply(self, parts, grads: torch.Tensor, *, clip: bool = True) -> None:
         """One update (one optimizer step) of the rows of unique keys.
 
@@ -78,23 +93,12 @@ class RowOptimizer:
                 sharded table is clipped over all shards before this call and passes False).
         """
         self.step += 1
-        c, t = self.config, self.step
         if clip:
             valid = parts[0][2] >= 0
             for _, _, slots in parts[1:]:
                 valid = valid | (slots.to(valid.device) >= 0)
             grads = self.clip(grads, valid)
-        kind = type(c)
-        if kind is SGD:
-            name, args = "sgd", (c.lr, c.weight_decay)
-        elif kind in (Adagrad, RowWiseAdagrad):
-            clr = c.lr / (1.0 + (t - 1) * c.lr_decay)
-            name = "adagrad" if kind is Adagrad else "rowwise_adagrad"
-            args = (clr, c.eps, c.weight_decay)
-        else:
-            b1, b2 = c.betas
-            step_size = c.lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-            name, args = "adam", (step_size, b1, b2, c.eps, c.weight_decay)
+        name, args = self.kernel_args(self.step)
         for backend, rows, slots in parts:
             g = grads
             if rows.device != grads.device:  # a host tier of a GPU table: move its rows only

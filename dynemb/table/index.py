@@ -37,6 +37,9 @@ class HashIndex:
     free the pins it used) put the counts of held slots back (``kernels.backend``). A held slot
     whose key is erased keeps its count (a key that reuses the slot is protected until those
     lookups end), and a release never lowers another lookup's count.
+
+    The tensors are made once and never replaced (a restore copies into them): a collection's
+    grouped kernels read them by address (``dynemb.nn.grouped``).
     """
 
     def __init__(self, num_buckets: int, width: int, device: torch.device, backend, *,

@@ -26,6 +26,9 @@ class RowStore:
         device: the table's device (hbm); ddr lives on the CPU.
         backend: the table's kernel backend (hbm; also ddr on a CPU table).
         files: memory-mapped files for the ddr rows, or None (RAM; pinned for a CUDA table).
+
+    ``hbm`` is made once and never replaced (a restore copies into it): a collection's grouped
+    kernels read it by address (``dynemb.nn.grouped``).
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, dim: int, width: int, device: torch.device,

@@ -1,7 +1,8 @@
 """The working set the planner charges to hbm against what a training step allocates: the peak
 resident memory of one step of a warm table (every row exists), measured in a fresh process
 whose allocator returns every large block to the system when it is freed, plus what the table
-keeps between steps for its steps (its gradient buffer, resident before the step measured)."""
+keeps between steps for its steps (its gradient buffer, or its group's: resident before the
+step measured)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def peak(ids_n, dim, mode, x):
     base = resident("VmRSS:")
     step()
     kept = sum(t.grad_scratch.nbytes for t in ebc.tables.values())
+    if ebc._group:  # grouped tables share one gradient buffer (dynemb.nn.grouped)
+        kept += ebc._group.grad_bytes
     out = resident("VmHWM:") - base + kept
     ebc.close()
     return out

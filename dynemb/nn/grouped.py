@@ -1,0 +1,339 @@
+"""A pooled collection's tables in one compiled call per stage (``kernels.grouped_numba``).
+
+An :class:`~dynemb.EmbeddingBagCollection` of many small tables pays a few hundred Python
+calls per table per step around kernels that each do a few microseconds of work. Its
+:class:`TableGroup` runs the lookup, pooling, backward and fused update of every table it holds
+in one compiled call per stage (split over threads by tables), bit-identical to the tables
+called one by one, and keeps the per-table Python work to counting.
+
+A table joins its collection's group when its kernels can run there: a CPU table on the numba
+backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping or ddr files
+(:func:`groupable`). A step runs grouped when it trains (updates rows) with unweighted ids and
+no pipeline holds its rows; any other step, and every table outside the group, takes the
+per-table path. Inside a grouped step a table falls back to the per-table code for what is
+rare: ids that got no row (``on_full`` WARN/COUNT), rows evicted or erased between forward and
+backward, gradients holding NaN or inf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dynemb.batch import SparseBatch, check_keys, check_lengths
+from dynemb.config import OnFull, PoolingMode, ScorePolicy, StorageMode
+from dynemb.kernels import grouped_numba as gnb
+from dynemb.kernels import lookup_numba as lnb
+from dynemb.kernels.backend import init_params
+from dynemb.kernels.threads import parts_for, resolve, run_parts
+from dynemb.table.stats import Lookup
+from dynemb.table.table import DynamicTable
+
+_TIERS = ("hbm_hits", "ddr_hits", "hbm_misses", "ddr_misses")
+
+
+def groupable(table: DynamicTable) -> bool:
+    """Whether ``table``'s steps can run in its collection's group (see the module docstring)."""
+    c = table.config
+    return (table.backend.name == "numba"
+            and table.mode in (StorageMode.HBM_ONLY, StorageMode.HYBRID)
+            and table.admission is None and c.score != ScorePolicy.CUSTOM
+            and c.optimizer.max_grad_norm is None and table.files is None)
+
+
+class TableGroup:
+    """The tables of a collection that run grouped, with what the compiled calls need of them
+    (built once: a table's arrays are never replaced).
+
+    Args:
+        tables: groupable tables (:func:`groupable`), in the collection's order.
+        make_state: builds the per-table pooled state (``nn.modules._PoolState``) a table falls
+            back to: ``make_state(table, lookup, lengths (F·B,), batch size)``.
+    """
+
+    def __init__(self, tables: Sequence[DynamicTable], make_state: Callable) -> None:
+        self.tables = list(tables)
+        self.make_state = make_state
+        self.features = tuple(f for t in self.tables for f in t.config.features)
+        n = len(self.tables)
+        self.ip = ip = np.zeros((n, gnb.I_WIDTH), np.int64)
+        self.fp = np.zeros((n, 3), np.float64)
+        self.addr = np.zeros((n, gnb.A_WIDTH), np.int64)
+        self.arrays: list[torch.Tensor] = []  # what ``addr`` points into, kept alive
+        atomic = [t.config.on_full == OnFull.RAISE for t in self.tables]
+        self.journals = any(atomic)  # an atomic table's failure undoes the tables after it
+        self.cols: list[tuple[int, int]] = []
+        col = 0
+        for i, t in enumerate(self.tables):
+            ix, c = t.index, t.config
+            kind, a, b, q = init_params(c.initializer, torch.device("cpu"))
+            ip[i, gnb.I_BUCKETS], ip[i, gnb.I_SPLIT], ip[i, gnb.I_BMASK] = \
+                ix.num_buckets, ix.split, ix.width - 1
+            ip[i, gnb.I_POLICY], ip[i, gnb.I_HBM_ROWS] = t.state.policy, t.layout.hbm_rows
+            ip[i, gnb.I_DIM], ip[i, gnb.I_INIT], ip[i, gnb.I_MIX] = t.dim, kind, t.life.init_mix
+            ip[i, gnb.I_MEAN] = c.pooling == PoolingMode.MEAN
+            ip[i, gnb.I_FEATURES], ip[i, gnb.I_COL] = len(c.features), col
+            ip[i, gnb.I_OPT] = gnb.OPT_CODES[t.optimizer.kernel_args(1)[0]]
+            ip[i, gnb.I_JOURNAL], ip[i, gnb.I_ATOMIC] = self.journals, atomic[i]
+            ip[i, gnb.I_ROW_WIDTH], ip[i, gnb.I_QUANTILES] = t.rows.shape[1], q.numel()
+            ddr = t.store.ddr
+            ip[i, gnb.I_DDR_ROWS] = 0 if ddr is None else ddr.shape[0]
+            self.fp[i] = (a, b, t.optimizer.initial_state)
+            arrays = {gnb.A_KEYS: ix.keys, gnb.A_SCORES: ix.scores, gnb.A_DIGESTS: ix.digests,
+                      gnb.A_PINS: ix.pins, gnb.A_WRITTEN: ix.written, gnb.A_COUNTS: ix.counts,
+                      gnb.A_ROWS: t.rows, gnb.A_QUANTILES: q}
+            if ddr is not None:
+                arrays[gnb.A_DDR] = ddr
+            for where, x in arrays.items():
+                self.arrays.append(x)
+                self.addr[i, where] = x.data_ptr()
+            self._check(t, arrays)
+            width = len(c.features) * t.dim
+            self.cols.append((col, col + width))
+            col += width
+        self.width = col
+        self.firsts = np.cumsum([0] + [len(t.config.features) for t in self.tables[:-1]])
+        self._grads = np.empty(0, np.float32)  # the gradient buffer, kept between steps
+
+    @staticmethod
+    def _check(t: DynamicTable, arrays: dict[int, torch.Tensor]) -> None:
+        """The arrays are what the kernels view at their addresses (``gnb._view``)."""
+        slots = t.index.num_buckets * t.index.width
+        want = {gnb.A_KEYS: (torch.int64, slots), gnb.A_SCORES: (torch.int64, slots),
+                gnb.A_DIGESTS: (torch.uint8, slots), gnb.A_PINS: (torch.int32, slots),
+                gnb.A_WRITTEN: (torch.int64, slots), gnb.A_COUNTS: (torch.int64, 4),
+                gnb.A_ROWS: (torch.float32, t.layout.hbm_rows * t.rows.shape[1]),
+                gnb.A_QUANTILES: (torch.float32, arrays[gnb.A_QUANTILES].numel()),
+                gnb.A_DDR: (torch.float32, t.layout.ddr_rows * t.rows.shape[1])}
+        for where, x in arrays.items():
+            if (x.dtype, x.numel()) != want[where] or not x.is_contiguous() or x.is_cuda:
+                raise AssertionError(f"table {t.name!r}: array {where} is not what the grouped "
+                                     "kernels read")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradient buffer kept between steps (the grouped tables' own
+        ``grad_scratch`` stays empty)."""
+        return self._grads.nbytes
+
+    def threads(self) -> int:
+        """Threads a grouped call splits over: the fewest any of its tables asks for."""
+        return min(resolve(t.config.threads) for t in self.tables)
+
+    def spans(self, ko: np.ndarray) -> list[tuple[int, int]]:
+        """Contiguous ranges of tables, one per part, with about equal numbers of ids."""
+        n = int(ko[-1])
+        parts = parts_for(self.threads(), n)
+        if parts == 1:
+            return [(0, len(self.tables))]
+        cuts = np.searchsorted(ko[1:], [n * p // parts for p in range(1, parts)], side="right")
+        edges = sorted({0, len(self.tables), *(int(c) for c in cuts)})
+        return list(zip(edges[:-1], edges[1:]))
+
+    def ids(self, batch: SparseBatch) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """(keys (N,), lengths (F·B,), key offsets (T + 1,)) of the group's features, table
+        after table, checked as each table's lookup would check them."""
+        offs, b = batch.feature_offsets, batch.batch_size
+        if batch.features == self.features:
+            keys, lengths = batch.values, batch.lengths
+            sizes = np.diff(offs)
+        else:
+            at = [batch.features.index(f) for f in self.features]
+            keys = torch.cat([batch.values[offs[f]:offs[f + 1]] for f in at])
+            lengths = batch.lengths.view(len(batch.features), b)[at].flatten()
+            sizes = np.asarray([offs[f + 1] - offs[f] for f in at], np.int64)
+        lengths = lengths.to(torch.int64).contiguous()
+        keys = keys.contiguous()
+        check_keys(keys, "EmbeddingBagCollection")
+        firsts = self.firsts
+        per_table = np.add.reduceat(sizes, firsts)
+        ko = np.zeros(len(self.tables) + 1, np.int64)
+        np.cumsum(per_table, out=ko[1:])
+        ln = lengths.numpy()
+        by_table = np.add.reduceat(ln.reshape(-1, b).sum(axis=1), firsts)
+        if ln.min() < 0 or ln.max() > ko[-1] or not np.array_equal(by_table, per_table):
+            for i, t in enumerate(self.tables):  # the per-table check names the culprit
+                part = lengths[firsts[i] * b:(firsts[i] + len(t.config.features)) * b]
+                check_lengths(part, int(per_table[i]), f"table {t.name!r}: the batch's lengths "
+                              "no longer match its ids (was the SparseBatch changed after it "
+                              "was built? build a new one)")
+        return keys, lengths, ko
+
+    def _probe(self, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
+               spans: list[tuple[int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
+        """The lookup driver over the ids ``kn`` (N,): (what ``finish`` reads: slots,
+        inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores; the per-table results;
+        the first table that failed atomically, or T: every table after it undone). Its
+        scratch (the sets, the journal, the probe paths) is freed on return, before the
+        pooled output is allocated."""
+        n, n_t = int(ko[-1]), len(self.tables)
+        first, slots, slot_at, free_at, inverse, uslot, ufree, upos, ev_keys, ev_scores = (
+            np.empty(n, np.int64) for _ in range(10))
+        ev_slots = np.full(n, -1, np.int64)
+        inserted = np.zeros(n, np.bool_)
+        journal = np.empty((3 * n if self.journals else 0, 5), np.int64)
+        res = np.zeros((n_t, gnb.R_WIDTH), np.int64)
+
+        def look(p: int) -> None:
+            lo, hi = spans[p]
+            m = lnb.set_size(int(np.diff(ko[lo:hi + 1]).max(initial=0)))
+            gnb.lookup(lo, hi, kn, ko, self.addr, self.ip, steps, np.empty(m, np.int64),
+                       np.empty(m, np.int64), first, slots, slot_at, free_at, inverse, uslot,
+                       ufree, upos, inserted, ev_keys, ev_slots, ev_scores, journal, res)
+
+        run_parts(look, len(spans))
+        undone = np.flatnonzero(res[:, gnb.R_UNDONE])
+        stop = int(undone[0]) if undone.size else n_t
+        if stop < n_t:
+            gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
+        return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
+
+    def lookup(self, batch: SparseBatch, timer: Callable) -> GroupStep:
+        """Looks the batch up in every table of the group and pools it (the forward of a
+        training step). A table whose ids cannot all get a row with ``on_full`` RAISE raises
+        :class:`~dynemb.errors.CapacityError` having changed nothing, as its own lookup
+        would; the tables before it in the group have been looked up, those after it not."""
+        keys, lengths, ko = self.ids(batch)
+        b, n_t = batch.batch_size, len(self.tables)
+        bo = np.zeros(n_t + 1, np.int64)
+        np.cumsum(self.ip[:, gnb.I_FEATURES] * b, out=bo[1:])
+        n = int(ko[-1])
+        kn, ln = keys.numpy(), lengths.numpy()
+        steps = np.array([t.state.step + 1 for t in self.tables], np.int64)
+        spans = self.spans(ko)
+        found, res, stop = self._probe(kn, ko, steps, spans)
+        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
+        failed = res[:, gnb.R_FAILED]
+        pool = np.where(np.arange(n_t) < stop, np.where(failed > 0, 0, 1), -1).astype(np.int64)
+        fresh_pos, unique_slots, unique_pos = (np.empty(n, np.int64) for _ in range(3))
+        ev_out = np.empty((3, n), np.int64)
+        out = torch.empty(b, self.width, dtype=torch.float32)
+        on = out.numpy()
+        run_parts(lambda p: gnb.finish(
+            *spans[p], kn, ko, bo, b, self.addr, self.ip, self.fp, steps, slots, inverse, uslot,
+            upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots,
+            unique_pos, ln, on, pool, res), len(spans))
+        step = GroupStep(group=self, keys=keys, lengths=lengths, batch=b, ko=ko, bo=bo,
+                         inverse=inverse, unique_slots=unique_slots, unique_pos=unique_pos,
+                         inserted=inserted, res=res, timer=timer)
+        step.record(stop, ev_out)
+        if stop < n_t:
+            t = self.tables[stop]
+            t.resolver.refuse(int(failed[stop]), t.state.snapshot())
+        for i in np.flatnonzero(pool == 0):  # ids without a row: the table pools itself
+            st = step.fallback(int(i))
+            lo, hi = self.cols[i]
+            out[:, lo:hi] = st.pool()
+        step.values = out
+        return step
+
+
+@dataclass
+class GroupStep:
+    """One training step's lookup of a :class:`TableGroup`, until its backward."""
+
+    group: TableGroup
+    keys: torch.Tensor
+    lengths: torch.Tensor
+    batch: int
+    ko: np.ndarray
+    bo: np.ndarray
+    inverse: np.ndarray
+    unique_slots: np.ndarray
+    unique_pos: np.ndarray
+    inserted: np.ndarray
+    res: np.ndarray
+    timer: Callable = contextlib.nullcontext
+    values: torch.Tensor | None = None
+    """(B, group width) the pooled output; handed to autograd (and dropped here) by forward."""
+    evicted: dict = field(default_factory=dict)
+    """Table position -> the rows its lookup evicted (``Evicted``), where it evicted any."""
+    epochs: list[int] = field(default_factory=list)
+    """Each table's eviction epoch after its lookup."""
+    states: dict = field(default_factory=dict)
+    """Table position -> its per-table pooled state, for the tables that fell back."""
+
+    def record(self, stop: int, ev_out: np.ndarray) -> None:
+        """Counts the lookups of the tables before ``stop`` as their own lookups would: step,
+        lookups, tiers, evictions, ids that got no row."""
+        sizes = np.diff(self.ko).tolist()
+        res = self.res[:stop].tolist()
+        for i, t, r in zip(range(stop), self.group.tables, res):
+            st = t.state
+            st.touch(sizes[i])
+            c = st.counters
+            for name, v in zip(_TIERS, r[gnb.R_TIERS:gnb.R_TIERS + 4]):
+                if v:
+                    c[name] += v
+            n_ev = r[gnb.R_EVICTED]
+            if n_ev:
+                lo = self.ko[i]
+                ev = torch.from_numpy(ev_out[:, lo:lo + n_ev])
+                self.evicted[i] = t.life.take_evicted(ev[0], ev[1], ev[2], with_rows=False,
+                                                      offset=0)
+            if r[gnb.R_FAILED]:
+                t.resolver.on_full(r[gnb.R_FAILED])
+            self.epochs.append(st.epoch)
+
+    def lookup_of(self, i: int) -> Lookup:
+        """Table ``i``'s lookup as its own lookup would have returned it."""
+        t, lo, hi = self.group.tables[i], int(self.ko[i]), int(self.ko[i + 1])
+        u = int(self.res[i, gnb.R_ENTRIES])
+        f = torch.from_numpy
+        return Lookup(unique_keys=self.keys[lo:hi][f(self.unique_pos[lo:lo + u])],
+                      unique_slots=f(self.unique_slots[lo:lo + u]),
+                      inverse=f(self.inverse[lo:hi]), inserted=f(self.inserted[lo:hi]),
+                      evicted=self.evicted.get(i) or t.life.evicted_none(),
+                      epoch=self.epochs[i])
+
+    def fallback(self, i: int):  # noqa: ANN201  (nn.modules._PoolState)
+        """Table ``i``'s per-table pooled state (made once)."""
+        if i not in self.states:
+            g, b = self.group, self.batch
+            self.states[i] = g.make_state(g.tables[i], self.lookup_of(i),
+                                          self.lengths[self.bo[i]:self.bo[i + 1]], b)
+        return self.states[i]
+
+    def backward(self, gout: torch.Tensor) -> None:
+        """Sums ``gout`` (B, group width) per entry and applies each table's fused optimizer."""
+        g = self.group
+        n_t = len(g.tables)
+        gout = gout.to(torch.float32)
+        todo = np.zeros(n_t, np.uint8)
+        fa = np.zeros((n_t, 5), np.float64)
+        steps = np.zeros(n_t, np.int64)
+        sizes = np.zeros(n_t, np.int64)
+        for i, t in enumerate(g.tables):
+            if i in self.states or t.state.epoch != self.epochs[i]:
+                continue  # fell back in forward, or rows moved since: the per-table path
+            todo[i] = 1
+            steps[i] = t.state.step
+            args = t.optimizer.kernel_args(t.optimizer.step + 1)[1]
+            fa[i, :len(args)] = args
+            sizes[i] = self.res[i, gnb.R_ENTRIES] * t.dim
+        go = np.zeros(n_t + 1, np.int64)
+        np.cumsum(sizes, out=go[1:])
+        if g._grads.size < go[-1]:
+            g._grads = np.empty(max(int(go[-1]), g._grads.size * 5 // 4), np.float32)
+        grads = g._grads
+        bad = np.zeros(n_t, np.uint8)
+        gn = gout.numpy() if gout.is_contiguous() else gout.contiguous().numpy()
+        spans = g.spans(self.ko)
+        ln = self.lengths.numpy()
+        run_parts(lambda p: gnb.backward(
+            *spans[p], self.ko, self.bo, go, self.batch, gn, g.addr, g.ip, fa, steps,
+            self.inverse, self.unique_slots, ln, grads, todo, bad), len(spans))
+        for i, t in enumerate(g.tables):
+            if todo[i] and not bad[i]:
+                t.optimizer.step += 1
+            elif todo[i]:  # NaN or inf: the table's nonfinite rule, as its own backward does
+                u = int(self.res[i, gnb.R_ENTRIES])
+                rows = torch.from_numpy(grads[go[i]:go[i + 1]]).view(u, t.dim)
+                t.apply_gradients(self.lookup_of(i), rows)
+            else:
+                lo, hi = g.cols[i]
+                self.fallback(i).backward(gout[:, lo:hi], False)
