@@ -45,6 +45,12 @@ def groupable(table: DynamicTable) -> bool:
             and c.optimizer.max_grad_norm is None and table.files is None)
 
 
+def splits_well(ko: np.ndarray, parts: int) -> bool:
+    """Whether a grouped call over tables with key offsets ``ko`` keeps ``parts`` threads busy:
+    one part, or no table with more than a part's share of the ids."""
+    return parts == 1 or bool(np.diff(ko).max() * parts <= ko[-1])
+
+
 class TableGroup:
     """The tables of a collection that run grouped, with what the compiled calls need of them
     (built once: a table's arrays are never replaced).
@@ -125,7 +131,8 @@ class TableGroup:
         return min(resolve(t.config.threads) for t in self.tables)
 
     def spans(self, ko: np.ndarray) -> list[tuple[int, int]]:
-        """Contiguous ranges of tables, one per part, with about equal numbers of ids."""
+        """Contiguous ranges of tables, one per part, with about equal numbers of ids (key
+        offsets ``ko``)."""
         n = int(ko[-1])
         parts = parts_for(self.threads(), n)
         if parts == 1:
@@ -192,12 +199,19 @@ class TableGroup:
             gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
         return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
 
-    def lookup(self, batch: SparseBatch, timer: Callable) -> GroupStep:
+    def lookup(self, batch: SparseBatch, timer: Callable) -> GroupStep | None:
         """Looks the batch up in every table of the group and pools it (the forward of a
         training step). A table whose ids cannot all get a row with ``on_full`` RAISE raises
         :class:`~dynemb.errors.CapacityError` having changed nothing, as its own lookup
-        would; the tables before it in the group have been looked up, those after it not."""
+        would; the tables before it in the group have been looked up, those after it not.
+
+        None (nothing done: the caller runs the tables one by one) when threads would gain
+        more inside a table than across tables: a grouped call splits by whole tables, so a
+        table holding more than a part's share of the ids would leave the other threads idle,
+        where its own calls split it by buckets, rows and bags."""
         keys, lengths, ko = self.ids(batch)
+        if not splits_well(ko, parts_for(self.threads(), int(ko[-1]))):
+            return None
         b, n_t = batch.batch_size, len(self.tables)
         bo = np.zeros(n_t + 1, np.int64)
         np.cumsum(self.ip[:, gnb.I_FEATURES] * b, out=bo[1:])

@@ -489,9 +489,10 @@ class EmbeddingBagCollection(_Collection):
         (``dynemb.nn.grouped``)."""
         with self._timed("lookup"):
             out, group = [], self._group_for(staged)
-            if group is not None:
-                out.append((group.lookup(staged.state, self._timed), None))
-            grouped = set() if group is None else set(group.tables)
+            step = None if group is None else group.lookup(staged.state, self._timed)
+            if step is not None:
+                out.append((step, None))
+            grouped = set() if step is None else set(group.tables)
             for table in self.tables.values():
                 if table in grouped:
                     continue

@@ -12,9 +12,11 @@ gradients, a table that cannot place its ids with ``on_full`` RAISE.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,8 +25,10 @@ from hypothesis import strategies as st
 import dynemb
 from dynemb.config import Storage, StorageMode
 from dynemb.errors import CapacityError, InputError
+from dynemb.nn.staging import Staged
 from dynemb.kernels import threads
-from dynemb.nn.grouped import TableGroup
+from dynemb.nn import grouped as grouped_module
+from dynemb.nn.grouped import TableGroup, splits_well
 
 OPTIMIZERS = (dynemb.SGD(lr=0.1, weight_decay=0.01), dynemb.Adagrad(lr=0.1),
               dynemb.RowWiseAdagrad(lr=0.1), dynemb.Adam(lr=0.01))
@@ -101,7 +105,8 @@ def test_grouped_training_is_the_per_table_training(spec, n_threads, seed):
     g = torch.Generator().manual_seed(seed)
     width = sum(c.dim * len(c.features) for c in configs)
     with mock.patch.object(threads, "MIN_PER_PART", 1), \
-            mock.patch.object(torch, "get_num_threads", return_value=n_threads):
+            mock.patch.object(torch, "get_num_threads", return_value=n_threads), \
+            mock.patch.object(grouped_module, "splits_well", return_value=True):
         for _ in range(4):
             batch = _batch(g, order, 6, 300)
             w = torch.randn(6, width, generator=g)
@@ -174,7 +179,8 @@ def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouche
     lengths = torch.cat([torch.randint(1, 4, (24,), generator=g), torch.full((8,), 6)])
     ids = torch.randint(0, 10**6, (int(lengths.sum()),), generator=g)
     batch = dynemb.SparseBatch(features=FEATURES, values=ids, lengths=lengths)
-    with mock.patch.object(threads, "MIN_PER_PART", 1):
+    with mock.patch.object(threads, "MIN_PER_PART", 1), \
+            mock.patch.object(grouped_module, "splits_well", return_value=True):
         for model in (grouped, alone):
             with pytest.raises(CapacityError, match="table 'b'"):
                 model(batch)
@@ -198,6 +204,25 @@ def test_threads_split_the_group_by_tables():
     spans = grouped._group.spans(torch.arange(0, 7000, 1200).numpy()[:6])
     assert len(spans) == 3 and spans[0][0] == 0 and spans[-1][1] == 5
     _same_tables(grouped, alone)
+
+
+def test_a_table_too_big_to_share_threads_runs_alone():
+    # one table holds most ids: 2 threads gain more inside it than across tables
+    configs = [dynemb.TableConfig(name=f"t{i}", dim=8, features=[f"f{i}"], capacity=1 << 14,
+                                  optimizer=dynemb.SGD(lr=0.1), threads=2) for i in range(2)]
+    grouped, alone = _pair(configs)
+    g = torch.Generator().manual_seed(8)
+    lengths = torch.cat([torch.full((1000,), 3), torch.ones(1000, dtype=torch.int64)])
+    batch = dynemb.SparseBatch(features=["f0", "f1"], lengths=lengths,
+                               values=torch.randint(0, 10**6, (4000,), generator=g))
+    assert grouped._group_for(Staged(batch=batch, training=True, grad=True, state=batch)) \
+        .lookup(batch, contextlib.nullcontext) is None
+    w = torch.randn(1000, 16, generator=g)
+    assert torch.equal(_step(grouped, batch, w), _step(alone, batch, w))
+    _same_tables(grouped, alone)
+    assert splits_well(np.array([0, 3000, 4000]), 1)
+    assert not splits_well(np.array([0, 3000, 4000]), 2)
+    assert splits_well(np.array([0, 2000, 4000]), 2)
 
 
 def test_tables_outside_the_group_keep_their_columns():
