@@ -8,9 +8,10 @@ called one by one, and keeps the per-table Python work to counting.
 
 A table joins its collection's group when its kernels can run there: a CPU table on the numba
 backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping or ddr files
-(:func:`groupable`). A step runs grouped when it trains (updates rows) with unweighted ids and
-no pipeline holds its rows; any other step, and every table outside the group, takes the
-per-table path. Inside a grouped step a table falls back to the per-table code for what is
+(:func:`groupable`). A step runs grouped when it trains (updates rows) with unweighted ids (and,
+with threads, when no table holds more than a thread's share of its ids: :func:`splits_well`);
+any other step, and every table outside the group, takes the per-table path. A pipeline's held
+lookups hold their rows grouped as they would table by table. Inside a grouped step a table falls back to the per-table code for what is
 rare: ids that got no row (``on_full`` WARN/COUNT), rows evicted or erased between forward and
 backward, gradients holding NaN or inf.
 """
@@ -199,11 +200,13 @@ class TableGroup:
             gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
         return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
 
-    def lookup(self, batch: SparseBatch, timer: Callable) -> GroupStep | None:
+    def lookup(self, batch: SparseBatch, timer: Callable, hold: bool = False) -> GroupStep | None:
         """Looks the batch up in every table of the group and pools it (the forward of a
         training step). A table whose ids cannot all get a row with ``on_full`` RAISE raises
         :class:`~dynemb.errors.CapacityError` having changed nothing, as its own lookup
         would; the tables before it in the group have been looked up, those after it not.
+        ``hold``: each table's rows stay in place until the step's backward (``held``: what
+        a pipeline's ``release`` drops if the backward never runs), as ``lookup(hold=True)``.
 
         None (nothing done: the caller runs the tables one by one) when threads would gain
         more inside a table than across tables: a grouped call splits by whole tables, so a
@@ -238,6 +241,11 @@ class TableGroup:
         if stop < n_t:
             t = self.tables[stop]
             t.resolver.refuse(int(failed[stop]), t.state.snapshot())
+        if hold:
+            for i, t in enumerate(self.tables):
+                lk = step.lookup_of(i)
+                t.resolver.hold(lk)
+                step.held.append((t, lk))
         for i in np.flatnonzero(pool == 0):  # ids without a row: the table pools itself
             st = step.fallback(int(i))
             lo, hi = self.cols[i]
@@ -270,6 +278,10 @@ class GroupStep:
     """Each table's eviction epoch after its lookup."""
     states: dict = field(default_factory=dict)
     """Table position -> its per-table pooled state, for the tables that fell back."""
+    lookups: dict = field(default_factory=dict)
+    """Table position -> its lookup (``lookup_of``), once made."""
+    held: list = field(default_factory=list)
+    """(table, lookup) of each table whose rows the step holds, until its backward."""
 
     def record(self, stop: int, ev_out: np.ndarray) -> None:
         """Counts the lookups of the tables before ``stop`` as their own lookups would: step,
@@ -294,7 +306,12 @@ class GroupStep:
             self.epochs.append(st.epoch)
 
     def lookup_of(self, i: int) -> Lookup:
-        """Table ``i``'s lookup as its own lookup would have returned it."""
+        """Table ``i``'s lookup as its own lookup would have returned it (made once)."""
+        if i not in self.lookups:
+            self.lookups[i] = self._lookup(i)
+        return self.lookups[i]
+
+    def _lookup(self, i: int) -> Lookup:
         t, lo, hi = self.group.tables[i], int(self.ko[i]), int(self.ko[i + 1])
         u = int(self.res[i, gnb.R_ENTRIES])
         f = torch.from_numpy
@@ -344,6 +361,8 @@ class GroupStep:
         for i, t in enumerate(g.tables):
             if todo[i] and not bad[i]:
                 t.optimizer.step += 1
+                if i in self.lookups and self.lookups[i].holds is not None:
+                    t.release(self.lookups[i])  # as apply_gradients releases
             elif todo[i]:  # NaN or inf: the table's nonfinite rule, as its own backward does
                 u = int(self.res[i, gnb.R_ENTRIES])
                 rows = torch.from_numpy(grads[go[i]:go[i + 1]]).view(u, t.dim)

@@ -489,9 +489,11 @@ class EmbeddingBagCollection(_Collection):
         (``dynemb.nn.grouped``)."""
         with self._timed("lookup"):
             out, group = [], self._group_for(staged)
-            step = None if group is None else group.lookup(staged.state, self._timed)
+            step = None if group is None else group.lookup(staged.state, self._timed,
+                                                          hold=self._holds(staged))
             if step is not None:
                 out.append((step, None))
+                staged.holds += step.held
             grouped = set() if step is None else set(group.tables)
             for table in self.tables.values():
                 if table in grouped:
@@ -504,11 +506,9 @@ class EmbeddingBagCollection(_Collection):
 
     def _group_for(self, staged: Staged) -> TableGroup | None:
         """The group a step runs its groupable tables in, or None (the per-table path): a step
-        that updates rows, with unweighted ids and at least one sample, whose rows no pipeline
-        holds."""
+        that updates rows, with unweighted ids and at least one sample."""
         batch = staged.state
-        if (not staged.updates or self._holds(staged) or batch.weights is not None
-                or batch.batch_size == 0):
+        if not staged.updates or batch.weights is not None or batch.batch_size == 0:
             return None
         if self._group is None:
             tables = [t for t in self.tables.values() if groupable(t)]

@@ -270,3 +270,34 @@ def test_step_time_split_is_reported():
                               "dense", "backward", "optimizer", "total"}
     assert all(v >= 0 for v in s.seconds.values())
     assert s.seconds["lookup"] > 0 and s.seconds["backward"] > 0 and s.seconds["dense"] > 0
+
+
+@pytest.mark.parametrize("kind", PIPELINES)
+def test_grouped_tables_train_as_table_by_table_under_every_pipeline(kind):
+    """The collection's tables run grouped (``dynemb.nn.grouped``), their lookups held where
+    the pipeline pulls ahead: exactly what the same tables do one by one."""
+    data = P.batches(10, seed=4)
+    caching = kind == "prefetch"
+    runs = []
+    for grouped in (True, False):
+        model, dense = P.build("adagrad", caching=caching)
+        if not grouped:
+            model.ebc._group = False
+        seen = []  # rows held at each forward and right after each backward
+
+        def held(m=model, seen=seen):
+            seen.append(sum(t.held_rows() for t in m.ebc.tables.values()))
+
+        def forward(m, batch, held=held):
+            out = m(batch)
+            held()
+            return out
+
+        runs.append((P.piped(kind, model, dense, data, forward=forward, after_backward=held),
+                     P.state(model), seen, model))
+    (got, got_state, got_held, model), (want, want_state, want_held, _) = runs
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    P.assert_same(got_state, want_state)
+    assert got_held == want_held
+    assert model.ebc._group and model.ebc._group.tables  # the group ran
+    assert all(t.held_rows() == 0 for t in model.ebc.tables.values())
