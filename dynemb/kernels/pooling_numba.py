@@ -54,7 +54,8 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, col
 def pool_backward(gout, col, rows, extra, src, inverse, lengths, weights, batch, dim, mean,
                   grads, wgrad):
     """Backward: ``grads`` (U, dim) float32 zero-filled receives the summed gradient of each
-    entry from ``gout`` (B, ≥ col + F·dim), columns from ``col``; ``wgrad`` (N,) (or empty) receives d loss / d w_i = <e(i), gout of its bag> / n.
+    entry from ``gout`` (B, ≥ col + F·dim), columns from ``col``; ``wgrad`` (N,) (or empty)
+    receives d loss / d w_i = <e(i), gout of its bag> / n.
 
     One thread: the sum of an entry's ids must keep their order, and splitting the entries
     between threads (each thread reading every id, adding only its own entries') measured no

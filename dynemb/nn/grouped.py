@@ -11,9 +11,10 @@ backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping
 (:func:`groupable`). A step runs grouped when it trains (updates rows) with unweighted ids (and,
 with threads, when no table holds more than a thread's share of its ids: :func:`splits_well`);
 any other step, and every table outside the group, takes the per-table path. A pipeline's held
-lookups hold their rows grouped as they would table by table. Inside a grouped step a table falls back to the per-table code for what is
-rare: ids that got no row (``on_full`` WARN/COUNT), rows evicted or erased between forward and
-backward, gradients holding NaN or inf.
+lookups hold their rows grouped as they would table by table. Inside a grouped step a table
+falls back to the per-table code for what is rare: ids that got no row (``on_full``
+WARN/COUNT), rows evicted or erased between forward and backward, gradients holding NaN or
+inf.
 """
 
 from __future__ import annotations

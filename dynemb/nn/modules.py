@@ -517,7 +517,7 @@ class EmbeddingBagCollection(_Collection):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("_group", None)  # numba lists of the tables' arrays: made again on use
+        state.pop("_group", None)  # the addresses of these tables' arrays, not a copy's
         return state
 
     def _pool_state(self, table: DynamicTable, staged: Staged) -> tuple[_PoolState, torch.Tensor]:
