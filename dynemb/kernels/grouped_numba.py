@@ -216,29 +216,38 @@ def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse,
 
 
 @njit(cache=True, nogil=True)
-def backward(t_lo, t_hi, ko, bo, go, batch, gout, addr, ip, fa, steps,
-             inverse, unique_slots, lengths, grads, todo, bad):
-    """Backward of tables ``[t_lo, t_hi)`` with ``todo[t]``: sums ``gout`` (B, C) per entry
-    into the table's (U, dim) gradient at ``grads[go[t]:go[t+1]]`` (as ``pool_backward``); if
-    every element is finite, applies its optimizer (``ip[t, I_OPT]``, hyper-parameters
-    ``fa[t]``) and marks the updated rows written at ``steps[t]`` (and their STEP scores), else
-    sets ``bad[t]`` and leaves the rows (the caller applies the table's ``nonfinite`` rule)."""
+def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, grads, todo, bad):
+    """Pooling backward of tables ``[t_lo, t_hi)`` with ``todo[t]``: sums ``gout`` (B, C) per
+    entry into the table's (U, dim) gradient at ``grads[go[t]:go[t+1]]``, as ``pool_backward``;
+    ``bad[t]`` where an element is not finite."""
+    none = np.empty(0, np.float32)
     for t in range(t_lo, t_hi):
         if not todo[t]:
             continue
         lo, hi = ko[t], ko[t + 1]
         dim = ip[t, I_DIM]
+        g = grads[go[t]:go[t + 1]].reshape((go[t + 1] - go[t]) // dim, dim)
+        g[:] = 0.0
+        rows = np.empty((0, dim), np.float32)  # (pooling backward reads rows only for wgrad)
+        pnb.pool_backward(gout, ip[t, I_COL], rows, rows, inverse[:0], inverse[lo:hi],
+                          lengths[bo[t]:bo[t + 1]], none, batch, dim, ip[t, I_MEAN] != 0, g,
+                          none)
+        bad[t] = not _finite(grads[go[t]:go[t + 1]])
+
+
+@njit(cache=True, nogil=True)
+def update(t_lo, t_hi, ko, go, addr, ip, fa, steps, unique_slots, grads, todo):
+    """The fused optimizer of tables ``[t_lo, t_hi)`` with ``todo[t]`` (``ip[t, I_OPT]``,
+    hyper-parameters ``fa[t]``) on their entries' rows with the gradients :func:`gradients`
+    summed; the rows updated are marked written at ``steps[t]`` (and their STEP scores)."""
+    for t in range(t_lo, t_hi):
+        if not todo[t]:
+            continue
+        dim = ip[t, I_DIM]
         u = (go[t + 1] - go[t]) // dim
         g = grads[go[t]:go[t + 1]].reshape(u, dim)
-        g[:] = 0.0
+        us = unique_slots[ko[t]:ko[t] + u]
         hbm, ddr = _rows(addr, ip, t)
-        us = unique_slots[lo:lo + u]
-        pnb.pool_backward(gout, ip[t, I_COL], hbm, hbm[:0, :dim], us[:0],
-                          inverse[lo:hi], lengths[bo[t]:bo[t + 1]], np.empty(0, np.float32),
-                          batch, dim, ip[t, I_MEAN] != 0, g, np.empty(0, np.float32))
-        if not _finite(grads[go[t]:go[t + 1]]):
-            bad[t] = 1
-            continue
         if ddr.shape[0] == 0:
             _update(ip[t, I_OPT], hbm, us, g, fa[t])
         else:  # each tier its own rows, as RowOptimizer.apply over RowStore.parts

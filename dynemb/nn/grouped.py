@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynemb.batch import SparseBatch, check_keys, check_lengths
+from dynemb.batch import EMPTY_KEY, SparseBatch, check_keys, check_lengths
 from dynemb.config import OnFull, PoolingMode, ScorePolicy, StorageMode
+from dynemb.errors import InputError
 from dynemb.kernels import grouped_numba as gnb
 from dynemb.kernels import lookup_numba as lnb
 from dynemb.kernels.backend import init_params
@@ -147,21 +148,28 @@ class TableGroup:
         """(keys (N,), lengths (F·B,), key offsets (T + 1,)) of the group's features, table
         after table, checked as each table's lookup would check them."""
         offs, b = batch.feature_offsets, batch.batch_size
+        # copies, as a table's own lookup makes: backward reads them, whatever the caller does
+        # to the batch meanwhile (a loader reusing its buffers)
         if batch.features == self.features:
-            keys, lengths = batch.values, batch.lengths
+            keys, lengths = batch.values.clone(), batch.lengths.to(torch.int64, copy=True)
             sizes = np.diff(offs)
         else:
             at = [batch.features.index(f) for f in self.features]
             keys = torch.cat([batch.values[offs[f]:offs[f + 1]] for f in at])
-            lengths = batch.lengths.view(len(batch.features), b)[at].flatten()
+            lengths = batch.lengths.view(len(batch.features), b)[at].flatten().to(torch.int64)
             sizes = np.asarray([offs[f + 1] - offs[f] for f in at], np.int64)
-        lengths = lengths.to(torch.int64).contiguous()
-        keys = keys.contiguous()
-        check_keys(keys, "EmbeddingBagCollection")
+        if keys.numel() != int(sizes.sum()):
+            raise InputError("EmbeddingBagCollection: the batch's values no longer match its "
+                             "features (was the SparseBatch changed after it was built? build "
+                             "a new one)")
+        keys, lengths = keys.contiguous(), lengths.contiguous()
         firsts = self.firsts
         per_table = np.add.reduceat(sizes, firsts)
         ko = np.zeros(len(self.tables) + 1, np.int64)
         np.cumsum(per_table, out=ko[1:])
+        if keys.numel() and bool((keys == EMPTY_KEY).any()):  # the table's own message
+            i = int(np.searchsorted(ko, int(torch.nonzero(keys == EMPTY_KEY)[0]), "right")) - 1
+            check_keys(keys[ko[i]:ko[i + 1]], f"table {self.tables[i].name!r}: lookup")
         ln = lengths.numpy()
         by_table = np.add.reduceat(ln.reshape(-1, b).sum(axis=1), firsts)
         if ln.min() < 0 or ln.max() > ko[-1] or not np.array_equal(by_table, per_table):
@@ -205,7 +213,10 @@ class TableGroup:
         """Looks the batch up in every table of the group and pools it (the forward of a
         training step). A table whose ids cannot all get a row with ``on_full`` RAISE raises
         :class:`~dynemb.errors.CapacityError` having changed nothing, as its own lookup
-        would; the tables before it in the group have been looked up, those after it not.
+        would; the tables before it in the group have been looked up, those after it not. (A
+        collection looks its group up before its other tables, so when a table outside the
+        group raises, every grouped table has been looked up; a batch changed after it was
+        built is refused before any grouped table changes.)
         ``hold``: each table's rows stay in place until the step's backward (``held``: what
         a pipeline's ``release`` drops if the backward never runs), as ``lookup(hold=True)``.
 
@@ -331,43 +342,66 @@ class GroupStep:
         return self.states[i]
 
     def backward(self, gout: torch.Tensor) -> None:
-        """Sums ``gout`` (B, group width) per entry and applies each table's fused optimizer."""
+        """Sums ``gout`` (B, group width) per entry and applies each table's fused optimizer.
+
+        Tables are taken last to first, as autograd runs the backwards of tables called one by
+        one: where a table's own code raises (``nonfinite`` RAISE), the tables after it have
+        been updated and those before it not."""
         g = self.group
         n_t = len(g.tables)
-        gout = gout.to(torch.float32)
+        gout = gout.detach().to(torch.float32)
         todo = np.zeros(n_t, np.uint8)
-        fa = np.zeros((n_t, 5), np.float64)
-        steps = np.zeros(n_t, np.int64)
         sizes = np.zeros(n_t, np.int64)
         for i, t in enumerate(g.tables):
-            if i in self.states or t.state.epoch != self.epochs[i]:
-                continue  # fell back in forward, or rows moved since: the per-table path
-            todo[i] = 1
-            steps[i] = t.state.step
-            args = t.optimizer.kernel_args(t.optimizer.step + 1)[1]
-            fa[i, :len(args)] = args
-            sizes[i] = self.res[i, gnb.R_ENTRIES] * t.dim
+            if i not in self.states and t.state.epoch == self.epochs[i]:
+                todo[i] = 1  # else it fell back in forward, or rows moved since: its own code
+                sizes[i] = self.res[i, gnb.R_ENTRIES] * t.dim
         go = np.zeros(n_t + 1, np.int64)
         np.cumsum(sizes, out=go[1:])
         if g._grads.size < go[-1]:
             g._grads = np.empty(max(int(go[-1]), g._grads.size * 5 // 4), np.float32)
-        grads = g._grads
-        bad = np.zeros(n_t, np.uint8)
-        gn = gout.numpy() if gout.is_contiguous() else gout.contiguous().numpy()
+        grads, bad = g._grads, np.zeros(n_t, np.uint8)
+        gn = gout.contiguous().numpy()
         spans = g.spans(self.ko)
-        ln = self.lengths.numpy()
-        run_parts(lambda p: gnb.backward(
-            *spans[p], self.ko, self.bo, go, self.batch, gn, g.addr, g.ip, fa, steps,
-            self.inverse, self.unique_slots, ln, grads, todo, bad), len(spans))
-        for i, t in enumerate(g.tables):
-            if todo[i] and not bad[i]:
-                t.optimizer.step += 1
-                if i in self.lookups and self.lookups[i].holds is not None:
-                    t.release(self.lookups[i])  # as apply_gradients releases
-            elif todo[i]:  # NaN or inf: the table's nonfinite rule, as its own backward does
-                u = int(self.res[i, gnb.R_ENTRIES])
-                rows = torch.from_numpy(grads[go[i]:go[i + 1]]).view(u, t.dim)
-                t.apply_gradients(self.lookup_of(i), rows)
-            else:
-                lo, hi = g.cols[i]
-                self.fallback(i).backward(gout[:, lo:hi], False)
+        run_parts(lambda p: gnb.gradients(
+            *spans[p], self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse,
+            self.lengths.numpy(), grads, todo, bad), len(spans))
+        grouped = (todo != 0) & (bad == 0)
+        i = n_t
+        try:
+            for i in reversed(range(n_t)):
+                t = g.tables[i]
+                if todo[i] and bad[i]:  # NaN or inf: the table's nonfinite rule
+                    u = int(self.res[i, gnb.R_ENTRIES])
+                    rows = torch.from_numpy(grads[go[i]:go[i + 1]]).view(u, t.dim)
+                    t.apply_gradients(self.lookup_of(i), rows)
+                elif not todo[i]:
+                    lo, hi = g.cols[i]
+                    self.fallback(i).backward(gout[:, lo:hi], False)
+        except BaseException:
+            grouped[:i + 1] = False  # the tables before the one that raised stay as they are
+            raise
+        finally:
+            self._update(grouped, go, grads)
+
+    def _update(self, which: np.ndarray, go: np.ndarray, grads: np.ndarray) -> None:
+        """The fused update of the tables ``which`` with their summed gradients, each one an
+        optimizer step, releasing their held lookups as ``apply_gradients`` does."""
+        g = self.group
+        n_t = len(g.tables)
+        fa = np.zeros((n_t, 5), np.float64)
+        steps = np.zeros(n_t, np.int64)
+        for i in np.flatnonzero(which).tolist():
+            t = g.tables[i]
+            t.optimizer.step += 1
+            args = t.optimizer.kernel_args(t.optimizer.step)[1]
+            fa[i, :len(args)] = args
+            steps[i] = t.state.step
+        todo = which.astype(np.uint8)
+        spans = g.spans(self.ko)
+        run_parts(lambda p: gnb.update(*spans[p], self.ko, go, g.addr, g.ip, fa, steps,
+                                       self.unique_slots, grads, todo), len(spans))
+        for i in np.flatnonzero(which).tolist():
+            lk = self.lookups.get(i)
+            if lk is not None and lk.holds is not None:
+                g.tables[i].release(lk)

@@ -283,3 +283,51 @@ def test_a_loaded_state_trains_grouped_as_per_table():
         w = torch.randn(8, 20, generator=g)
         assert torch.equal(_step(grouped, batch, w), _step(alone, batch, w))
     _same_tables(grouped, alone)
+
+
+@pytest.mark.parametrize("bad_columns", [slice(8, 16), slice(0, 20)])
+def test_a_raising_nonfinite_rule_stops_where_the_tables_one_by_one_stop(bad_columns):
+    # backwards run last table first: the tables after the one that raises are updated, the
+    # ones before it not, whichever path runs them
+    configs = _configs(nonfinite=dynemb.NonFinite.RAISE)
+    grouped, alone = _pair(configs)
+    batch = _batch(torch.Generator().manual_seed(9), FEATURES, 8, 300)
+    w = torch.ones(8, 20)
+    w[2, bad_columns] = float("inf")
+    errors = []
+    for model in (grouped, alone):
+        out = model(batch).values()
+        with pytest.raises(InputError) as e:
+            (out * w).sum().backward()
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    _same_tables(grouped, alone)
+
+
+def test_a_batch_changed_between_forward_and_backward_changes_nothing():
+    # the step keeps its own copies of the ids and lengths, as a table's lookup does
+    grouped, alone = _pair(_configs())
+    for model in (grouped, alone):
+        batch = _batch(torch.Generator().manual_seed(10), FEATURES, 8, 300)
+        out = model(batch).values()
+        batch.lengths[0] = 1 << 40
+        batch.values.zero_()
+        out.sum().backward()
+    _same_tables(grouped, alone)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_second_order_backward_trains_as_per_table():
+    grouped, alone = _pair(_configs())
+    batch = _batch(torch.Generator().manual_seed(11), FEATURES, 8, 300)
+    for model in (grouped, alone):
+        (model(batch).values() ** 2).sum().backward(create_graph=True)
+    _same_tables(grouped, alone)
+
+
+def test_the_reserved_key_is_refused_naming_its_table():
+    batch = _batch(torch.Generator().manual_seed(12), FEATURES, 8, 300)
+    batch.values[-1] = dynemb.EMPTY_KEY  # table c's last id
+    for model in _pair(_configs()):
+        with pytest.raises(InputError, match="table 'c': lookup: found the reserved empty key"):
+            model(batch)
