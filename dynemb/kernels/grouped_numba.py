@@ -47,7 +47,6 @@ OPT_CODES = {"sgd": OPT_SGD, "adagrad": OPT_ADAGRAD, "rowwise_adagrad": OPT_ROWW
 (R_TIERS, R_INSERTED, R_EVICTED, R_FAILED, R_NEW, R_JOURNAL, R_DISTINCT, R_ENTRIES, R_UNDONE,
  R_DONE) = (0, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 R_WIDTH = 13
-_NO_I64 = np.empty(0, np.int64)
 _I64, _I32, _U8, _F32 = (np.empty(0, d) for d in (np.int64, np.int32, np.uint8, np.float32))
 
 
@@ -127,7 +126,7 @@ def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, set_keys, set_pos,
     ``res[t, R_DONE]``.
     ``set_keys``/``set_pos``: the part's batch-local set, at least ``set_size`` of its largest
     table; ``ev_slots`` prefilled with -1."""
-    custom = _NO_I64
+    custom = _I64
     allowed = np.empty(0, np.bool_)
     for t in range(t_lo, t_hi):
         lo, hi = ko[t], ko[t + 1]
@@ -172,13 +171,13 @@ def undo(t_lo, t_hi, ko, addr, ip, journal, res):
 @njit(cache=True, nogil=True)
 def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse, uslot, upos,
            inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots, unique_pos,
-           lengths, out, pool, res):
+           lengths, weights, out, pool, res):
     """Completes the lookups of tables ``[t_lo, t_hi)`` whose ``pool[t]`` is not negative (as
     ``NumbaBackend.lookup`` and ``SingleIndexResolver.resolve`` do after ``place``): counts,
     events (``fresh_pos``, ``ev_out`` (3, N) at the table's ids), entries (``unique_slots``,
     ``unique_pos`` at its ids; ``res[t, R_ENTRIES]``), pins freed, new rows initialised and
     written at ``steps[t]``; then, where ``pool[t]`` is 1, pools its bags into its columns of
-    ``out`` (B, C)."""
+    ``out`` (B, C), with the per-id ``weights`` (N,) float32 or empty (none)."""
     for t in range(t_lo, t_hi):
         if pool[t] < 0:
             continue
@@ -211,15 +210,17 @@ def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse,
             rids = unique_slots[lo:lo + u]
             src = rids if ddr.shape[0] == 0 else _sources(rids, split)
             pnb.pool(hbm, ddr[:, :dim], src, inverse[lo:hi], lengths[bo[t]:bo[t + 1]],
-                     np.empty(0, np.float32), batch, dim, ip[t, I_MEAN] != 0, out,
-                     ip[t, I_COL], 0, bo[t + 1] - bo[t])
+                     weights[lo:hi] if weights.shape[0] else weights, batch, dim,
+                     ip[t, I_MEAN] != 0, out, ip[t, I_COL], 0, bo[t + 1] - bo[t])
 
 
 @njit(cache=True, nogil=True)
-def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, grads, todo, bad):
+def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, weights, grads, todo,
+              bad):
     """Pooling backward of tables ``[t_lo, t_hi)`` with ``todo[t]``: sums ``gout`` (B, C) per
-    entry into the table's (U, dim) gradient at ``grads[go[t]:go[t+1]]``, as ``pool_backward``;
-    ``bad[t]`` where an element is not finite."""
+    entry, scaled by ``weights`` as :func:`finish` pooled, into the table's (U, dim) gradient
+    at ``grads[go[t]:go[t+1]]``, as ``pool_backward``; ``bad[t]`` where an element is not
+    finite."""
     none = np.empty(0, np.float32)
     for t in range(t_lo, t_hi):
         if not todo[t]:
@@ -230,8 +231,8 @@ def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, grads, 
         g[:] = 0.0
         rows = np.empty((0, dim), np.float32)  # (pooling backward reads rows only for wgrad)
         pnb.pool_backward(gout, ip[t, I_COL], rows, rows, inverse[:0], inverse[lo:hi],
-                          lengths[bo[t]:bo[t + 1]], none, batch, dim, ip[t, I_MEAN] != 0, g,
-                          none)
+                          lengths[bo[t]:bo[t + 1]], weights[lo:hi] if weights.shape[0] else none,
+                          batch, dim, ip[t, I_MEAN] != 0, g, none)
         bad[t] = not _finite(grads[go[t]:go[t + 1]])
 
 

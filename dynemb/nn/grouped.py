@@ -8,8 +8,9 @@ called one by one, and keeps the per-table Python work to counting.
 
 A table joins its collection's group when its kernels can run there: a CPU table on the numba
 backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping or ddr files
-(:func:`groupable`). A step runs grouped when it trains (updates rows) with unweighted ids (and,
-with threads, when no table holds more than a thread's share of its ids: :func:`splits_well`);
+(:func:`groupable`). A step runs grouped when it trains (updates rows) and its per-id weights, if
+any, need no gradient (and, with threads, when no table holds more than a thread's share of its
+ids: :func:`splits_well`);
 any other step, and every table outside the group, takes the per-table path. A pipeline's held
 lookups hold their rows grouped as they would table by table. Inside a grouped step a table
 falls back to the per-table code for what is rare: ids that got no row (``on_full``
@@ -61,7 +62,8 @@ class TableGroup:
     Args:
         tables: groupable tables (:func:`groupable`), in the collection's order.
         make_state: builds the per-table pooled state (``nn.modules._PoolState``) a table falls
-            back to: ``make_state(table, lookup, lengths (F·B,), batch size)``.
+            back to: ``make_state(table, lookup, lengths (F·B,), weights (N,) or empty, batch
+            size)``.
     """
 
     def __init__(self, tables: Sequence[DynamicTable], make_state: Callable) -> None:
@@ -144,25 +146,34 @@ class TableGroup:
         edges = sorted({0, len(self.tables), *(int(c) for c in cuts)})
         return list(zip(edges[:-1], edges[1:]))
 
-    def ids(self, batch: SparseBatch) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """(keys (N,), lengths (F·B,), key offsets (T + 1,)) of the group's features, table
-        after table, checked as each table's lookup would check them."""
+    def ids(self, batch: SparseBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               np.ndarray]:
+        """(keys (N,), lengths (F·B,), weights (N,) float32 or empty, key offsets (T + 1,))
+        of the group's features, table after table, checked as each table's lookup would
+        check them."""
         offs, b = batch.feature_offsets, batch.batch_size
+        w = batch.weights
         # copies, as a table's own lookup makes: backward reads them, whatever the caller does
         # to the batch meanwhile (a loader reusing its buffers)
         if batch.features == self.features:
             keys, lengths = batch.values.clone(), batch.lengths.to(torch.int64, copy=True)
+            weights = None if w is None else w.detach().to(torch.float32, copy=True)
             sizes = np.diff(offs)
         else:
             at = [batch.features.index(f) for f in self.features]
             keys = torch.cat([batch.values[offs[f]:offs[f + 1]] for f in at])
             lengths = batch.lengths.view(len(batch.features), b)[at].flatten().to(torch.int64)
+            weights = None if w is None else torch.cat(
+                [w[offs[f]:offs[f + 1]] for f in at]).detach().to(torch.float32)
             sizes = np.asarray([offs[f + 1] - offs[f] for f in at], np.int64)
-        if keys.numel() != int(sizes.sum()):
+        if keys.numel() != int(sizes.sum()) or (weights is not None
+                                                 and weights.numel() != keys.numel()):
             raise InputError("EmbeddingBagCollection: the batch's values no longer match its "
                              "features (was the SparseBatch changed after it was built? build "
                              "a new one)")
-        keys, lengths = keys.contiguous(), lengths.contiguous()
+        if weights is None:
+            weights = torch.empty(0, dtype=torch.float32)
+        keys, lengths, weights = keys.contiguous(), lengths.contiguous(), weights.contiguous()
         firsts = self.firsts
         per_table = np.add.reduceat(sizes, firsts)
         ko = np.zeros(len(self.tables) + 1, np.int64)
@@ -178,7 +189,7 @@ class TableGroup:
                 check_lengths(part, int(per_table[i]), f"table {t.name!r}: the batch's lengths "
                               "no longer match its ids (was the SparseBatch changed after it "
                               "was built? build a new one)")
-        return keys, lengths, ko
+        return keys, lengths, weights, ko
 
     def _probe(self, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
                spans: list[tuple[int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
@@ -224,7 +235,7 @@ class TableGroup:
         more inside a table than across tables: a grouped call splits by whole tables, so a
         table holding more than a part's share of the ids would leave the other threads idle,
         where its own calls split it by buckets, rows and bags."""
-        keys, lengths, ko = self.ids(batch)
+        keys, lengths, weights, ko = self.ids(batch)
         if not splits_well(ko, parts_for(self.threads(), int(ko[-1]))):
             return None
         b, n_t = batch.batch_size, len(self.tables)
@@ -245,8 +256,9 @@ class TableGroup:
         run_parts(lambda p: gnb.finish(
             *spans[p], kn, ko, bo, b, self.addr, self.ip, self.fp, steps, slots, inverse, uslot,
             upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots,
-            unique_pos, ln, on, pool, res), len(spans))
-        step = GroupStep(group=self, keys=keys, lengths=lengths, batch=b, ko=ko, bo=bo,
+            unique_pos, ln, weights.numpy(), on, pool, res), len(spans))
+        step = GroupStep(group=self, keys=keys, lengths=lengths, weights=weights, batch=b,
+                         ko=ko, bo=bo,
                          inverse=inverse, unique_slots=unique_slots, unique_pos=unique_pos,
                          inserted=inserted, res=res, timer=timer)
         step.record(stop, ev_out)
@@ -273,6 +285,8 @@ class GroupStep:
     group: TableGroup
     keys: torch.Tensor
     lengths: torch.Tensor
+    weights: torch.Tensor
+    """(N,) float32 per-id weights, or empty."""
     batch: int
     ko: np.ndarray
     bo: np.ndarray
@@ -337,8 +351,9 @@ class GroupStep:
         """Table ``i``'s per-table pooled state (made once)."""
         if i not in self.states:
             g, b = self.group, self.batch
+            w = self.weights[self.ko[i]:self.ko[i + 1]] if self.weights.numel() else self.weights
             self.states[i] = g.make_state(g.tables[i], self.lookup_of(i),
-                                          self.lengths[self.bo[i]:self.bo[i + 1]], b)
+                                          self.lengths[self.bo[i]:self.bo[i + 1]], w, b)
         return self.states[i]
 
     def backward(self, gout: torch.Tensor) -> None:
@@ -365,7 +380,7 @@ class GroupStep:
         spans = g.spans(self.ko)
         run_parts(lambda p: gnb.gradients(
             *spans[p], self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse,
-            self.lengths.numpy(), grads, todo, bad), len(spans))
+            self.lengths.numpy(), self.weights.numpy(), grads, todo, bad), len(spans))
         grouped = (todo != 0) & (bad == 0)
         i = n_t
         try:

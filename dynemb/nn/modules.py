@@ -506,9 +506,12 @@ class EmbeddingBagCollection(_Collection):
 
     def _group_for(self, staged: Staged) -> TableGroup | None:
         """The group a step runs its groupable tables in, or None (the per-table path): a step
-        that updates rows, with unweighted ids and at least one sample."""
+        that updates rows, with at least one sample, whose per-id weights (if any) need no
+        gradient."""
         batch = staged.state
-        if not staged.updates or batch.weights is not None or batch.batch_size == 0:
+        weights = batch.weights
+        if (not staged.updates or batch.batch_size == 0
+                or (weights is not None and weights.requires_grad)):
             return None
         if self._group is None:
             tables = [t for t in self.tables.values() if groupable(t)]
@@ -536,10 +539,9 @@ class EmbeddingBagCollection(_Collection):
 
 
 def _fallback_state(table: DynamicTable, lk: Lookup, lengths: torch.Tensor,
-                    batch: int) -> _PoolState:
+                    weights: torch.Tensor, batch: int) -> _PoolState:
     """A grouped table's own pooled state (``TableGroup``'s ``make_state``)."""
-    return _PoolState(table=table, lookup=lk, lengths=lengths,
-                      weights=torch.empty(0, dtype=torch.float32), batch=batch,
+    return _PoolState(table=table, lookup=lk, lengths=lengths, weights=weights, batch=batch,
                       mean=table.config.pooling == PoolingMode.MEAN)
 
 

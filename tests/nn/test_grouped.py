@@ -4,7 +4,7 @@ stage trains exactly as the same collection with every table called on its own.
 The reference is the same model with its group switched off (``_group = False``: the per-table
 path). Random collections (dims, optimizers, SUM and MEAN, several features per table, score
 policies, HBM_ONLY and HYBRID, tables that fill up and evict or fail, batches in another feature
-order, 1-3 threads with every call split) must give the same outputs and leave the same rows,
+order, with or without per-id weights, 1-3 threads with every call split) must give the same outputs and leave the same rows,
 optimizer state, index, counters and eviction logs; so must the rare cases a grouped table
 hands back to its own code: ids without a row, rows erased between forward and backward, NaN
 gradients, a table that cannot place its ids with ``on_full`` RAISE.
@@ -48,11 +48,12 @@ def _pair(configs: list[dynemb.TableConfig]):
 
 
 def _batch(g: torch.Generator, features: list[str], batch: int, span: int,
-           max_len: int = 4) -> dynemb.SparseBatch:
+           max_len: int = 4, weighted: bool = False) -> dynemb.SparseBatch:
     lengths = torch.randint(0, max_len + 1, (len(features) * batch,), generator=g)
     n = int(lengths.sum())
     ids = (torch.rand(n, generator=g) ** 2 * span).long() * 7919 - span
-    return dynemb.SparseBatch(features=features, values=ids, lengths=lengths)
+    weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.5 if weighted else None
+    return dynemb.SparseBatch(features=features, values=ids, lengths=lengths, weights=weights)
 
 
 def _step(model, batch: dynemb.SparseBatch, weight: torch.Tensor, between=None):
@@ -98,8 +99,8 @@ def _collections(draw):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_collections(), st.integers(1, 3), st.integers(0, 2**16))
-def test_grouped_training_is_the_per_table_training(spec, n_threads, seed):
+@given(_collections(), st.integers(1, 3), st.integers(0, 2**16), st.booleans())
+def test_grouped_training_is_the_per_table_training(spec, n_threads, seed, weighted):
     configs, order = spec
     grouped, alone = _pair(configs)
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +109,7 @@ def test_grouped_training_is_the_per_table_training(spec, n_threads, seed):
             mock.patch.object(torch, "get_num_threads", return_value=n_threads), \
             mock.patch.object(grouped_module, "splits_well", return_value=True):
         for _ in range(4):
-            batch = _batch(g, order, 6, 300)
+            batch = _batch(g, order, 6, 300, weighted=weighted)
             w = torch.randn(6, width, generator=g)
             outs = []
             for model in (grouped, alone):  # small tables with on_full RAISE may refuse
@@ -184,7 +185,7 @@ def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouche
         for model in (grouped, alone):
             with pytest.raises(CapacityError, match="table 'b'"):
                 model(batch)
-        assert len(grouped._group.spans(grouped._group.ids(batch)[2])) == n_threads
+        assert len(grouped._group.spans(grouped._group.ids(batch)[-1])) == n_threads
     _same_tables(grouped, alone)
     assert grouped.tables["a"].step == 1 and grouped.tables["c"].step == 0
     assert grouped.tables["c"].size() == 0
@@ -235,17 +236,22 @@ def test_tables_outside_the_group_keep_their_columns():
     assert [t.name for t in grouped._group.tables] == ["a", "c"]
 
 
-def test_steps_that_do_not_train_run_per_table():
+def test_steps_that_do_not_train_and_weights_that_learn_run_per_table():
     grouped, alone = _pair(_configs())
     g = torch.Generator().manual_seed(4)
     batch = _batch(g, FEATURES, 8, 300)
     with torch.no_grad():
         assert torch.equal(grouped(batch).values(), alone(batch).values())
     assert grouped._group is None  # never needed
-    weighted = dynemb.SparseBatch(features=FEATURES, values=batch.values, lengths=batch.lengths,
-                                  weights=torch.rand(batch.values.numel(), generator=g))
-    w = torch.randn(8, 20, generator=g)
-    assert torch.equal(_step(grouped, weighted, w), _step(alone, weighted, w))
+    wgrads = []
+    for model in (grouped, alone):  # the weights' gradient comes from the per-table path
+        weights = torch.rand(batch.values.numel(), generator=torch.Generator().manual_seed(5),
+                             requires_grad=True)
+        weighted = dynemb.SparseBatch(features=FEATURES, values=batch.values,
+                                      lengths=batch.lengths, weights=weights)
+        _step(model, weighted, torch.ones(8, 20))
+        wgrads.append(weights.grad)
+    assert torch.equal(*wgrads)
     assert grouped._group is None
     _same_tables(grouped, alone)
 
