@@ -258,9 +258,8 @@ class TableGroup:
             upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots,
             unique_pos, ln, weights.numpy(), on, pool, res), len(spans))
         step = GroupStep(group=self, keys=keys, lengths=lengths, weights=weights, batch=b,
-                         ko=ko, bo=bo,
-                         inverse=inverse, unique_slots=unique_slots, unique_pos=unique_pos,
-                         inserted=inserted, res=res, timer=timer)
+                         ko=ko, bo=bo, inverse=inverse, unique_slots=unique_slots,
+                         unique_pos=unique_pos, inserted=inserted, res=res, timer=timer)
         step.record(stop, ev_out)
         if stop < n_t:
             t = self.tables[stop]
