@@ -69,6 +69,16 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
                          "them equal.")
 
 
+CHANGED_BATCH = "was the SparseBatch changed after it was built? build a new one"
+
+
+def check_table_lengths(lengths: torch.Tensor, n: int, table: str) -> None:
+    """:func:`check_lengths` of one table's bags against its ``n`` ids, naming the table and
+    the likely cause (a batch whose tensors were changed after it was validated)."""
+    check_lengths(lengths, n, f"table {table!r}: the batch's lengths no longer match its ids "
+                  f"({CHANGED_BATCH})")
+
+
 FEATURE_POLICIES = ("strict", "ignore")
 """What a collection does with batch features none of its tables reads: refuse the batch
 (``strict``, the default) or skip them (``ignore``, as torchrec does)."""

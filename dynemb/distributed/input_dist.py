@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from dynemb.batch import SparseBatch, check_lengths
+from dynemb.batch import SparseBatch, check_table_lengths
 from dynemb.config import Routing, ScorePolicy, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.routing import continuous_block, route_table
@@ -97,9 +97,7 @@ def table_ids(config: TableConfig, batch: SparseBatch, device: torch.device
     parts = [batch.feature(f) for f in config.features]
     keys = torch.cat([p[0] for p in parts]).to(device)
     lengths = torch.cat([p[1] for p in parts]).to(device=device, dtype=torch.int64)
-    check_lengths(lengths, keys.numel(), f"table {config.name!r}: the batch's lengths no "
-                  "longer match its ids (was the SparseBatch changed after it was built? build "
-                  "a new one)")
+    check_table_lengths(lengths, keys.numel(), config.name)
     weights = None
     if batch.weights is not None:
         weights = torch.cat([p[2] for p in parts]).detach().to(device=device, dtype=torch.float32)

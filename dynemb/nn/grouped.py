@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynemb.batch import EMPTY_KEY, SparseBatch, check_keys, check_lengths
+from dynemb.batch import (
+    CHANGED_BATCH, EMPTY_KEY, SparseBatch, check_keys, check_table_lengths,
+)
 from dynemb.config import OnFull, PoolingMode, ScorePolicy, StorageMode
 from dynemb.errors import InputError
 from dynemb.kernels import grouped_numba as gnb
@@ -169,8 +171,7 @@ class TableGroup:
         if keys.numel() != int(sizes.sum()) or (weights is not None
                                                  and weights.numel() != keys.numel()):
             raise InputError("EmbeddingBagCollection: the batch's values no longer match its "
-                             "features (was the SparseBatch changed after it was built? build "
-                             "a new one)")
+                             f"features ({CHANGED_BATCH})")
         if weights is None:
             weights = torch.empty(0, dtype=torch.float32)
         keys, lengths, weights = keys.contiguous(), lengths.contiguous(), weights.contiguous()
@@ -186,9 +187,7 @@ class TableGroup:
         if ln.min() < 0 or ln.max() > ko[-1] or not np.array_equal(by_table, per_table):
             for i, t in enumerate(self.tables):  # the per-table check names the culprit
                 part = lengths[firsts[i] * b:(firsts[i] + len(t.config.features)) * b]
-                check_lengths(part, int(per_table[i]), f"table {t.name!r}: the batch's lengths "
-                              "no longer match its ids (was the SparseBatch changed after it "
-                              "was built? build a new one)")
+                check_table_lengths(part, int(per_table[i]), t.name)
         return keys, lengths, weights, ko
 
     def _probe(self, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
@@ -258,7 +257,7 @@ class TableGroup:
             upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots,
             unique_pos, ln, weights.numpy(), on, pool, res), len(spans))
         step = GroupStep(group=self, keys=keys, lengths=lengths, weights=weights, batch=b,
-                         ko=ko, bo=bo, inverse=inverse, unique_slots=unique_slots,
+                         ko=ko, bo=bo, spans=spans, inverse=inverse, unique_slots=unique_slots,
                          unique_pos=unique_pos, inserted=inserted, res=res, timer=timer)
         step.record(stop, ev_out)
         if stop < n_t:
@@ -289,6 +288,8 @@ class GroupStep:
     batch: int
     ko: np.ndarray
     bo: np.ndarray
+    spans: list[tuple[int, int]]
+    """The parts' ranges of tables (``TableGroup.spans``), for backward too."""
     inverse: np.ndarray
     unique_slots: np.ndarray
     unique_pos: np.ndarray
@@ -376,10 +377,9 @@ class GroupStep:
             g._grads = np.empty(max(int(go[-1]), g._grads.size * 5 // 4), np.float32)
         grads, bad = g._grads, np.zeros(n_t, np.uint8)
         gn = gout.contiguous().numpy()
-        spans = g.spans(self.ko)
         run_parts(lambda p: gnb.gradients(
-            *spans[p], self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse,
-            self.lengths.numpy(), self.weights.numpy(), grads, todo, bad), len(spans))
+            *self.spans[p], self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse,
+            self.lengths.numpy(), self.weights.numpy(), grads, todo, bad), len(self.spans))
         grouped = (todo != 0) & (bad == 0)
         i = n_t
         try:
@@ -412,9 +412,8 @@ class GroupStep:
             fa[i, :len(args)] = args
             steps[i] = t.state.step
         todo = which.astype(np.uint8)
-        spans = g.spans(self.ko)
-        run_parts(lambda p: gnb.update(*spans[p], self.ko, go, g.addr, g.ip, fa, steps,
-                                       self.unique_slots, grads, todo), len(spans))
+        run_parts(lambda p: gnb.update(*self.spans[p], self.ko, go, g.addr, g.ip, fa, steps,
+                                       self.unique_slots, grads, todo), len(self.spans))
         for i in np.flatnonzero(which).tolist():
             lk = self.lookups.get(i)
             if lk is not None and lk.holds is not None:

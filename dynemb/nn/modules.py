@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynemb.batch import SparseBatch, check_feature_policy, check_lengths
+from dynemb.batch import SparseBatch, check_feature_policy, check_table_lengths
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
@@ -437,9 +437,7 @@ class _Collection(TablesStayPut):
         keys = torch.cat([p[0] for p in parts]).to(self.device)
         lengths = torch.cat([p[1] for p in parts]).to(self.device, torch.int64).contiguous()
         weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
-        check_lengths(lengths, keys.numel(), f"table {table.name!r}: the batch's lengths no "
-                      "longer match its ids (was the SparseBatch changed after it was built? "
-                      "build a new one)")
+        check_table_lengths(lengths, keys.numel(), table.name)
         return keys, lengths, weights
 
 
