@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 
-import dynemb
+if not torch.cuda.is_available():  # the Triton kernels run in its interpreter (before dynemb,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # whose imports import triton)
+
+import dynemb  # noqa: E402
 
 torch.set_num_threads(1)
 

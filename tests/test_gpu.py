@@ -1,4 +1,5 @@
-"""CUDA path: tables on the GPU run the torch kernels and must match the CPU (numba) results.
+"""CUDA path: tables on the GPU (the Triton kernels by default, or the torch kernels) must match
+the CPU (numba) results.
 
 Marked ``gpu``; skipped on a machine without CUDA (CI has none).
 """
@@ -42,14 +43,16 @@ def _batch(step: int) -> dynemb.SparseBatch:
     dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3),
     dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.1)],
     ids=["hbm_only", "hybrid", "caching"])
-def test_cuda_tables_match_cpu(optimizer, storage):
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["triton", "torch"])
+def test_cuda_tables_match_cpu(optimizer, storage, backend):
     """A CUDA table in any storage mode (hbm on the GPU, ddr in pinned host memory) trains like
     the CPU HBM_ONLY table."""
     cpu = dynemb.EmbeddingBagCollection(_tables(optimizer))
-    gpu = dynemb.EmbeddingBagCollection(_tables(optimizer, storage), device="cuda")
+    gpu = dynemb.EmbeddingBagCollection(_tables(optimizer, storage), device="cuda",
+                                        backend=backend)
     if storage.mode != dynemb.StorageMode.HBM_ONLY:
         assert gpu.tables["t"].store.ddr.is_pinned() and gpu.tables["t"].rows.is_cuda
-    assert gpu.tables["t"].backend.name == "torch"
+    assert gpu.tables["t"].backend.name == (backend or "triton")
     proj = torch.randn(16, 20, generator=torch.Generator().manual_seed(0))
     for step in range(5):
         batch = _batch(step)

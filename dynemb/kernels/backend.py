@@ -1,8 +1,9 @@
 """One tensor-level interface over the two kernel implementations.
 
 ``NUMBA`` runs the compiled CPU kernels on zero-copy numpy views of CPU tensors; ``TORCH`` runs
-the vectorised torch twins (any device). Tables pick one by device (``backend_for``); tests run
-both against the same models.
+the vectorised torch twins (any device); ``triton`` runs Triton kernels (CUDA, or CPU tensors in
+Triton's interpreter). Tables pick one by device (``backend_for``); tests run each against the
+same models.
 
 Index operations: ``find(ix, keys, custom, policy, step, touch, pin, prev=None)`` (``prev``: an
 (N,) int64 journal of the scores it touched), ``restore_scores(ix, slots, prev)`` (undoes those
@@ -337,21 +338,91 @@ class TorchBackend:
         return getattr(rto, name)
 
 
+class TritonBackend(TorchBackend):
+    """Triton kernels for the index (probe with digests, insert one bucket per program), pooling
+    and the optimizers (``kernels.triton_index``, ``kernels.triton_rows``); the steps between
+    kernels (touching, numbering, row initialisation) are the torch backend's. The default on
+    CUDA; on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from dynemb.kernels import triton_index, triton_rows  # noqa: PLC0415 (imports triton)
+
+        self._ix, self._rows = triton_index, triton_rows
+
+    def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
+        return ito.find_pass(ix, keys, custom, policy, step, touch, pin, prev,
+                             slots=self._ix.probe(ix, keys))
+
+    def insert(self, ix, keys, custom, policy, step, atomic=False):
+        slots, inserted, evicted, ev_keys, ev_scores, failed = self._ix.insert(
+            ix, keys, custom, policy, step, atomic)
+        if atomic and bool(failed.any()):  # nothing was written: nothing to count
+            return slots, torch.zeros_like(inserted), (_EMPTY, _EMPTY, _EMPTY)
+        c = ix.counts  # tensor adds: no device sync
+        c[inb.C_INSERTED] += inserted.sum()
+        c[inb.C_EVICTED] += evicted.sum()
+        c[inb.C_FAILED] += failed.sum()
+        c[inb.C_SIZE_DELTA] += (inserted & ~evicted).sum()
+        return slots, inserted, (ev_keys[evicted], slots[evicted], ev_scores[evicted])
+
+    def erase(self, ix, keys):
+        return ito.erase(ix, keys, slots=self._ix.probe(ix, keys))
+
+    def pool(self, *args):
+        self._rows.pool(*args)
+
+    def pool_backward(self, gout, *args):
+        self._rows.pool_backward(gout.contiguous(), *args)
+
+    def optimizer(self, name):
+        return self._rows.optimizer(name)
+
+
 NUMBA = NumbaBackend()
 TORCH = TorchBackend()
 BACKENDS = {"numba": NUMBA, "torch": TORCH}
+NAMES = ("numba", "torch", "triton")  # triton's backend is made on first use (it imports triton)
+_TRITON: list[TritonBackend] = []
+
+
+def _triton(device: torch.device) -> TritonBackend:
+    from dynemb.kernels import triton_index  # noqa: PLC0415 (imports triton)
+
+    if not triton_index.available(device):
+        if triton_index.triton is None:
+            why = "triton is not installed"
+        elif device.type == "cpu":
+            why = ("on CPU tensors Triton kernels run only in its interpreter: set "
+                   "TRITON_INTERPRET=1 before triton is first imported (a test mode; CPU tables "
+                   "are faster with backend='numba')")
+        else:
+            why = f"Triton kernels run on CUDA or CPU tensors, found device {device}"
+        raise ConfigError(f"backend 'triton' cannot run here: {why}.")
+    if not _TRITON:
+        _TRITON.append(TritonBackend())
+    return _TRITON[0]
 
 
 def backend_for(device: torch.device, name: str | None = None, threads: int | None = None):
-    """The backend named ``name`` ("numba" or "torch"), or the default for ``device``; the numba
-    backend splits its calls over ``threads`` threads (None: torch's count)."""
+    """The backend named ``name`` ("numba", "torch" or "triton"), or the default for ``device``
+    (numba on CPU; triton on CUDA where it is installed, else torch); the numba backend splits
+    its calls over ``threads`` threads (None: torch's count)."""
     if name is None:
-        name = "numba" if device.type == "cpu" else "torch"
-    if name not in BACKENDS:
-        raise ConfigError(f"backend: expected one of {sorted(BACKENDS)}, found {name!r}.")
+        if device.type == "cpu":
+            name = "numba"
+        else:
+            from dynemb.kernels import triton_index  # noqa: PLC0415 (imports triton)
+
+            name = "triton" if triton_index.available(device) else "torch"
+    if name not in NAMES:
+        raise ConfigError(f"backend: expected one of {list(NAMES)}, found {name!r}.")
     if name == "numba" and device.type != "cpu":
         raise ConfigError(f"backend 'numba' runs on CPU tensors only, found device {device}; "
-                          "use backend='torch' (the default for non-CPU devices).")
+                          "use backend='triton' or 'torch' (the defaults for CUDA).")
+    if name == "triton":
+        return _triton(device)
     if name == "numba" and threads is not None:
         return NumbaBackend(threads)
     return BACKENDS[name]

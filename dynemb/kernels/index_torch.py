@@ -37,14 +37,22 @@ def _touch(ix, slots: torch.Tensor, custom: torch.Tensor, policy: int, step: int
     elif policy in (P_LRU, P_NO_EVICTION):
         ix.scores[slots] = step
     elif policy == P_CUSTOM and custom.numel() > 0:
-        ix.scores[slots] = custom
+        # the last occurrence of a slot wins, as in the numba kernels (an indexed write with
+        # repeated indices has no defined order on CUDA)
+        order = torch.argsort(slots, stable=True)
+        s = slots[order]
+        last = torch.ones_like(s, dtype=torch.bool)
+        last[:-1] = s[1:] != s[:-1]
+        ix.scores[s[last]] = custom[order[last]]
 
 
 def find_pass(ix, keys, custom, policy: int, step: int, touch: bool, pin: bool,
-              prev: torch.Tensor | None = None) -> torch.Tensor:
+              prev: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Slot of each key or -1 (touching and pinning as asked). ``prev`` (N,): when given, the
-    score each found slot had before this pass is written there (see :func:`restore_scores`)."""
-    _, slots = _locate(ix, keys)
+    score each found slot had before this pass is written there (see :func:`restore_scores`).
+    ``slots``: the keys' slots, when the caller located them (the Triton backend's probe)."""
+    if slots is None:
+        _, slots = _locate(ix, keys)
     hit = slots >= 0
     found = slots[hit]
     if touch:
@@ -203,8 +211,10 @@ def unpin(ix, slots: torch.Tensor) -> None:
     ix.pins[slots[slots >= 0]] = PIN_FREE
 
 
-def erase(ix, keys: torch.Tensor) -> torch.Tensor:
-    _, slots = _locate(ix, keys)
+def erase(ix, keys: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Erases ``keys`` (distinct) that are present; returns the slot each had or -1."""
+    if slots is None:
+        _, slots = _locate(ix, keys)
     hit = slots[slots >= 0]
     ix.keys[hit] = EMPTY_KEY
     ix.digests[hit] = D_ERASED

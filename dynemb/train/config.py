@@ -288,8 +288,8 @@ class EmbeddingConfig:
             require(is_number(value) and value >= 0, own, name, value, "a finite number >= 0")
         _check_int(own, "capacity", self.capacity, 1, 1 << 40)
         _check_int(own, "admission_threshold", self.admission_threshold, 0)
-        require(self.backend in (None, "numba", "torch"), own, "backend", self.backend,
-                "numba, torch or null")
+        require(self.backend in (None, "numba", "torch", "triton"), own, "backend",
+                self.backend, "numba, torch, triton or null")
         if self.threads is not None:
             _check_int(own, "threads", self.threads, 1, 1024)
         self._check_planning()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynemb.kernels.backend import BACKENDS
+from dynemb.kernels.backend import backend_for
 from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
 from dynemb.table.index import HashIndex
@@ -30,7 +30,7 @@ def _bucket_keys(bucket: int, n: int) -> torch.Tensor:
 
 def _index(backend: str, policy: int) -> tuple[HashIndex, torch.Tensor]:
     """Bucket 0 holds 6 keys and 2 tombstones (erased keys); returns (index, its keys)."""
-    be = BACKENDS[backend]
+    be = backend_for(torch.device("cpu"), backend)
     ix = HashIndex(NB, WIDTH, torch.device("cpu"), be)
     keys = _bucket_keys(0, 20)
     none = torch.empty(0, dtype=torch.int64)
@@ -45,9 +45,9 @@ def _index(backend: str, policy: int) -> tuple[HashIndex, torch.Tensor]:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("backend", ["numba", "torch", "triton"])
 def test_a_failing_atomic_call_restores_every_array(backend, policy):
-    be, code = BACKENDS[backend], POLICIES[policy]
+    be, code = backend_for(torch.device("cpu"), backend), POLICIES[policy]
     ix, keys = _index(backend, code)
     before = _arrays(ix)
     # Found keys 0, 1, 3 (one twice) are touched and pinned; the new keys fill both tombstones,
@@ -68,9 +68,9 @@ def test_a_failing_atomic_call_restores_every_array(backend, policy):
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("backend", ["numba", "torch", "triton"])
 def test_a_succeeding_atomic_insert_equals_the_plain_one(backend, policy):
-    be, code = BACKENDS[backend], POLICIES[policy]
+    be, code = backend_for(torch.device("cpu"), backend), POLICIES[policy]
     results = []
     for atomic in (False, True):
         ix, keys = _index(backend, code)

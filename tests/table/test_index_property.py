@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import dynemb
 from dynemb.errors import CapacityError
+from dynemb.kernels import triton_index
 from dynemb.kernels.hashing import bucket_of, index_hash
 
 CAPACITY, WIDTH, DIM = 16, 8, 2  # two buckets: the 40-key pool overflows them
@@ -192,6 +193,17 @@ def test_random_operations_with_on_full_raise_are_atomic(backend, policy, ops):
     """Every call either does exactly what the model predicts or, when a key would fail,
     raises CapacityError and changes no key, row or score (and not the step)."""
     run_ops(backend, policy, ops, report=event, on_full=dynemb.OnFull.RAISE)
+
+
+@pytest.mark.skipif(not triton_index.available(torch.device("cpu")),
+                    reason="Triton's interpreter is off (tests/test_gpu.py runs it on CUDA)")
+@pytest.mark.parametrize("on_full", [dynemb.OnFull.COUNT, dynemb.OnFull.RAISE])
+@pytest.mark.parametrize("policy", [dynemb.ScorePolicy.LRU, dynemb.ScorePolicy.LFU])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_st, min_size=1, max_size=12))
+def test_random_operations_on_the_triton_backend_match_dict_model(policy, on_full, ops):
+    """The same model for the Triton kernels (in its interpreter: fewer, shorter sequences)."""
+    run_ops("triton", policy, ops, report=event, on_full=on_full)
 
 
 def test_model_sees_evictions():

@@ -1,0 +1,238 @@
+"""The Triton kernels against the numba kernels: compiled on CUDA where there is a GPU, else in
+Triton's interpreter on CPU tensors (CI).
+
+The index kernels must leave the index slot for slot as the numba kernels do (every array,
+bit for bit, on random operation sequences); pooling and the optimizers must give the numba
+kernels' values (bit for bit in the interpreter where the arithmetic is the same; the row sums of
+row-wise Adagrad and of weight gradients are summed in another order, and compiled kernels may
+fuse multiply-adds: 1e-6); a collection on the triton backend trains as on the numba backend in
+every storage mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dynemb
+from dynemb.kernels import triton_index
+from dynemb.kernels.backend import NUMBA, backend_for
+from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
+from dynemb.table.index import HashIndex
+
+CPU = torch.device("cpu")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EXACT = DEV.type == "cpu"  # the interpreter computes in numpy, as the numba kernels do
+pytestmark = pytest.mark.skipif(not triton_index.available(DEV),
+                                reason="no CUDA and Triton's interpreter is off")
+ARRAYS = ("keys", "scores", "digests", "pins", "counts")
+NONE = torch.empty(0, dtype=torch.int64)
+
+
+def _triton():
+    return backend_for(DEV, "triton")
+
+
+def _same(a: HashIndex, b: HashIndex, what: str) -> None:
+    for name in ARRAYS:
+        assert torch.equal(getattr(a, name), getattr(b, name).cpu()), f"{what}: {name} differ"
+
+
+def _close(dev_result: torch.Tensor, cpu_result: torch.Tensor) -> None:
+    if EXACT:
+        assert torch.equal(dev_result, cpu_result)
+    else:
+        torch.testing.assert_close(dev_result.cpu(), cpu_result, rtol=1e-6, atol=1e-6)
+
+
+def _lookup(be, ix, keys, custom, policy, step, atomic):
+    """One training lookup as the staged backends run it (find, insert the misses, finish);
+    the results on the CPU."""
+    keys, custom = keys.to(ix.keys.device), custom.to(ix.keys.device)
+    prev = torch.empty_like(keys) if atomic else None
+    slots = be.find(ix, keys, custom, policy, step, True, True, prev)
+    miss = torch.nonzero(slots < 0).flatten()
+    mc = custom[miss] if custom.numel() else custom
+    new, inserted, ev = be.insert(ix, keys[miss], mc, policy, step, atomic)
+    if atomic and bool((new < 0).any()):
+        be.restore_scores(ix, slots, prev)
+        be.unpin(ix, slots)
+        return ((new < 0).cpu(),)
+    slots[miss] = new
+    inverse, unique_slots, unique_pos = be.finish(ix, slots)
+    # the order of entries is each backend's own (numba: first occurrence; torch: by slot)
+    entries = torch.stack([unique_slots, unique_pos], 1).tolist()
+    return tuple(t.cpu() for t in (slots, inserted, *ev, unique_slots[inverse],
+                                   torch.tensor(sorted(entries))))
+
+
+keys_st = st.lists(st.integers(0, 40), min_size=0, max_size=14)
+op_st = st.one_of(
+    st.tuples(st.just("lookup"), keys_st, st.booleans()),
+    st.tuples(st.just("find"), keys_st, st.just(False)),
+    st.tuples(st.just("erase"), keys_st.map(lambda ks: sorted(set(ks))), st.just(False)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from([P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION]),
+       split=st.sampled_from([None, 1]), ops=st.lists(op_st, min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_index_kernels_leave_the_index_slot_for_slot_as_numba(policy, split, ops, seed):
+    tb = _triton()
+    a = HashIndex(2, 8, CPU, NUMBA, split=split)  # 16 slots for 41 keys: buckets fill
+    b = HashIndex(2, 8, DEV, tb, split=split)
+    g = torch.Generator().manual_seed(seed)
+    for step, (op, keys, atomic) in enumerate(ops, start=1):
+        k = torch.tensor(keys, dtype=torch.int64) * 7919
+        custom = torch.randint(0, 30, k.shape, generator=g) if policy == P_CUSTOM else NONE
+        if op == "lookup":
+            ra = _lookup(NUMBA, a, k, custom, policy, step, atomic)
+            rb = _lookup(tb, b, k, custom, policy, step, atomic)
+            for x, y in zip(ra, rb, strict=True):
+                assert torch.equal(x, y), f"step {step}: {op} results differ"
+        elif op == "find":
+            assert torch.equal(NUMBA.find(a, k, NONE, policy, step, False, False),
+                               tb.find(b, k.to(DEV), NONE.to(DEV), policy, step, False,
+                                       False).cpu())
+        else:
+            assert torch.equal(NUMBA.erase(a, k), tb.erase(b, k.to(DEV)).cpu())
+        _same(a, b, f"step {step} ({op})")
+
+
+def test_insert_evicts_by_score_and_respects_pins():
+    """A full bucket: each new key takes the lowest-score unpinned slot, the first on ties; keys
+    the call found or inserted are pinned; NO_EVICTION fails instead; a CUSTOM score below the
+    lowest fails."""
+    tb = _triton()
+    k = torch.tensor([11, 500, 600, 500])
+    for policy in (P_LRU, P_LFU, P_NO_EVICTION, P_CUSTOM):
+        ixs = [HashIndex(1, 8, d, be) for d, be in ((CPU, NUMBA), (DEV, tb))]
+        for ix, be in zip(ixs, (NUMBA, tb), strict=True):
+            for step in range(1, 9):  # 8 keys, scores 1..8 (LRU, CUSTOM), 3 each (LFU)
+                key = torch.tensor([step * 11] * (3 if policy == P_LFU else 1))
+                _lookup(be, ix, key, key // 11 if policy == P_CUSTOM else NONE, policy, step,
+                        False)
+            custom = torch.tensor([9, 4, 1, 9]) if policy == P_CUSTOM else NONE
+            out = _lookup(be, ix, k, custom, policy, 20, False)
+            if policy == P_LRU:  # 11 is touched and pinned: 22 and 33 go, first-come
+                assert out[2].tolist() == [22, 33] and out[4].tolist() == [2, 3]
+            elif policy == P_LFU:  # 500 starts at 1 but is pinned: 600 evicts a key at 3
+                assert out[4].tolist() == [3, 3] and not {11, 500} & set(out[2].tolist())
+            elif policy == P_CUSTOM:  # 500 (4) evicts 22 (score 2); 600 (1) is below 3: fails
+                assert out[2].tolist() == [22] and (out[0] < 0).tolist() == [0, 0, 1, 0]
+            else:
+                assert (out[0] < 0).tolist() == [False, True, True, True]
+        _same(*ixs, f"policy {policy}")
+
+
+def _pool_case(g, dim, weighted, with_extra):
+    batch, feats, rows_n = 5, 2, 12
+    lengths = torch.randint(0, 4, (feats * batch,), generator=g)
+    n = int(lengths.sum())
+    n_u = max(1, n // 2)
+    inverse = torch.randint(0, n_u, (n,), generator=g)
+    rows = torch.randn(rows_n, dim + 3, generator=g)
+    src = torch.randint(0, rows_n, (n_u,), generator=g)
+    extra = torch.randn(3, dim, generator=g)
+    if with_extra:
+        src[::3] = -1 - torch.randint(0, 3, src[::3].shape, generator=g)
+    weights = torch.rand(n, generator=g) + 0.5 if weighted else torch.empty(0)
+    return rows, extra, src, inverse, lengths, weights, batch, feats
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("dim", [4, 13])
+def test_pooling_matches_numba(mean, weighted, dim):
+    tb = _triton()
+    g = torch.Generator().manual_seed(dim + 2 * mean + weighted)
+    rows, extra, src, inverse, lengths, weights, batch, feats = _pool_case(g, dim, weighted, True)
+    args = (rows, extra, src, inverse, lengths, weights, batch, dim, mean)
+    dargs = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args)
+    out, dout = torch.full((batch, feats * dim), 7.0), torch.full((batch, feats * dim), 7.0,
+                                                                  device=DEV)
+    NUMBA.pool(*args, out)
+    tb.pool(*dargs, dout)
+    _close(dout, out)
+    gout = torch.randn(batch, feats * dim, generator=g)
+    grads = torch.zeros(int(inverse.max()) + 1, dim)
+    wgrads = torch.zeros(inverse.numel() if weighted else 0)
+    dgrads, dwgrads = grads.to(DEV), wgrads.to(DEV)
+    NUMBA.pool_backward(gout, *args, grads, wgrads)
+    tb.pool_backward(gout.to(DEV), *dargs, dgrads, dwgrads)
+    _close(dgrads, grads)  # each entry's ids summed in id order
+    torch.testing.assert_close(dwgrads.cpu(), wgrads, rtol=1e-6, atol=1e-6)
+
+
+OPTIMIZERS = {"sgd": (0.1, 0.01), "adagrad": (0.1, 1e-8, 0.01),
+              "rowwise_adagrad": (0.1, 1e-8, 0.01), "adam": (0.01, 0.9, 0.999, 1e-8, 0.01)}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dim", [4, 13])
+def test_optimizer_updates_match_numba(name, dim):
+    g = torch.Generator().manual_seed(dim)
+    width = dim * (3 if name == "adam" else 2 if name == "adagrad" else 1) \
+        + (1 if name == "rowwise_adagrad" else 0)
+    rows = torch.rand(20, width, generator=g)
+    slots = torch.tensor([3, -1, 0, 19, 7, 11])
+    grads = torch.randn(slots.numel(), dim, generator=g)
+    out, dout = rows.clone(), rows.clone().to(DEV)
+    for _ in range(3):
+        NUMBA.optimizer(name)(out, slots, grads, *OPTIMIZERS[name])
+        _triton().optimizer(name)(dout, slots.to(DEV), grads.to(DEV), *OPTIMIZERS[name])
+    assert not torch.equal(out, rows)
+    if name == "rowwise_adagrad":  # the row's sum of squares, in another order
+        torch.testing.assert_close(dout.cpu(), out, rtol=1e-6, atol=1e-7)
+    else:
+        _close(dout, out)
+
+
+def _collection(backend, optimizer, storage):
+    cfgs = [dynemb.TableConfig(name="t", dim=8, features=["a", "b"], capacity=64,
+                               bucket_capacity=8, optimizer=optimizer, storage=storage,
+                               pooling=dynemb.PoolingMode.MEAN),
+            dynemb.TableConfig(name="u", dim=4, features=["c"], capacity=32, bucket_capacity=8,
+                               optimizer=optimizer, score=dynemb.ScorePolicy.LFU,
+                               storage=storage)]
+    return dynemb.EmbeddingBagCollection(cfgs, backend=backend,
+                                         device=CPU if backend == "numba" else DEV)
+
+
+@pytest.mark.parametrize(("optimizer", "storage"), [
+    (dynemb.Adam(lr=0.01), dynemb.Storage()),
+    (dynemb.RowWiseAdagrad(lr=0.1), dynemb.Storage(mode=dynemb.StorageMode.HYBRID,
+                                                   cache_load_factor=0.3)),
+    (dynemb.SGD(lr=0.1), dynemb.Storage(mode=dynemb.StorageMode.CACHING,
+                                        cache_load_factor=0.3))],
+    ids=["adam-hbm_only", "rowwise_adagrad-hybrid", "sgd-caching"])
+def test_a_collection_trains_on_triton_as_on_numba(optimizer, storage):
+    cols = [_collection(be, optimizer, storage) for be in ("numba", "triton")]
+    assert cols[1].tables["t"].backend.name == "triton"
+    proj = torch.randn(6, 20, generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 5, (3 * 6,), generator=g)
+        values = torch.randint(-60, 60, (int(lengths.sum()),), generator=g) * 7919
+        weights = torch.rand(values.numel(), generator=g) + 0.5
+        batch = dynemb.SparseBatch(features=["a", "b", "c"], values=values, lengths=lengths,
+                                   weights=weights)
+        outs = [c(batch.to(c.device)).values() for c in cols]
+        torch.testing.assert_close(outs[1].cpu(), outs[0], rtol=1e-6, atol=1e-6)
+        for o in outs:
+            (o * proj.to(o.device)).sum().backward()
+    for name in ("t", "u"):
+        a, b = (c.tables[name] for c in cols)
+        assert torch.equal(a.index.keys, b.index.keys.cpu())
+        assert a.stats() == b.stats()
+        torch.testing.assert_close(b.rows.cpu(), a.rows, rtol=1e-6, atol=1e-6)
+    assert sum(c.tables["t"].stats().evicted for c in cols[:1]) > 0  # the tables were full
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(triton_index, "available", lambda device: False)
+    with pytest.raises(dynemb.errors.ConfigError, match="TRITON_INTERPRET=1"):
+        backend_for(CPU, "triton")
