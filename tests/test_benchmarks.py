@@ -290,3 +290,19 @@ def test_pipelines_smoke(tmp_path):
         "semi_sync_p90_faster_than_sparse_dist"}
     assert positive(targets["semi_sync_p90_vs_sparse_dist"])
     assert positive(targets["fused_sparse_dist_p90_vs_sparse_dist"])
+
+
+def test_gpu_tables_smoke(tmp_path):
+    rec = run_smoke("gpu_tables", tmp_path)
+    assert rec["config"]["device"] in ("cpu", "cuda") and rec["config"]["tables"] == 2
+    keys = {f"{o}/{m}" for o in ("adam", "sgd")
+            for m in ("hbm_only", "caching_100", "caching_80", "hybrid_10")}
+    assert set(rec["results"]) == keys
+    for key, r in rec["results"].items():
+        assert positive(r["step_ms"]) and r["step_ms_p90"] >= r["step_ms"], key
+        assert r["target_met"] is None  # a smoke run is never compared with published numbers
+    assert rec["results"]["adam/caching_100"]["dynamicemb_published_ms"] == 12.28
+    caching = [rec["results"][f"adam/caching_{p}"]["cache_rows_per_table"] for p in (100, 80)]
+    assert all(a >= b for a, b in zip(*caching))  # the 80 % cache is not larger
+    fb = rec["results"]["sgd/hbm_only"]["fbgemm_tbe"]  # measured, or skipped with the reason
+    assert positive(fb["step_ms"]) if "step_ms" in fb else fb["skipped"]
