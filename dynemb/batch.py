@@ -194,10 +194,14 @@ class SparseBatch:
                    weights=None if weights is None else torch.tensor(flat_w, dtype=torch.float32))
 
     def to(self, device: torch.device | str) -> SparseBatch:
-        """A copy on ``device``."""
-        return SparseBatch(features=self.features, values=self.values.to(device),
-                           lengths=self.lengths.to(device),
-                           weights=None if self.weights is None else self.weights.to(device))
+        """A copy on ``device``. It is not validated again (on a GPU that would wait for the
+        device several times): this batch was, when it was built."""
+        out = object.__new__(SparseBatch)
+        out.features, out.batch_size = self.features, self.batch_size
+        out.feature_offsets = self.feature_offsets
+        out.values, out.lengths = self.values.to(device), self.lengths.to(device)
+        out.weights = None if self.weights is None else self.weights.to(device)
+        return out
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> SparseBatch:

@@ -87,6 +87,12 @@ class Resolved(NamedTuple):
     had a row before the call; a miss is in the tier of the key's home bucket."""
     miss: torch.Tensor | None
     """(M,) int64: the occurrences without a row before the call, when admission judged them."""
+    away: int | None = None
+    """Entries without an hbm row (-1 or a ddr row), when the backend counted them (the triton
+    lookup: the table then finds them without reading the device again)."""
+    reserved: int = 0
+    """Occurrences of the reserved empty key (a batch changed after it was checked; only the
+    triton lookup, which does not check again, counts them): counted in ``failed``."""
 
 
 Admit = Callable[[torch.Tensor], torch.Tensor]
@@ -146,6 +152,9 @@ class NumbaBackend:
     at the time of the call) with bit-identical results for any count (``kernels.threads``)."""
 
     name = "numba"
+    reads_wait = False
+    """Whether reading a result back to the host waits for a device: tables on such a backend
+    keep counts on the device and check nothing a host-side check already covered."""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads
@@ -290,6 +299,7 @@ class TorchBackend:
     """Vectorised torch reference kernels (CPU or CUDA)."""
 
     name = "torch"
+    reads_wait = False  # (the reference: it reads what it needs, on any device)
 
     def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
         return ito.find_pass(ix, keys, custom, policy, step, touch, pin, prev)
@@ -345,19 +355,36 @@ class TritonBackend(TorchBackend):
     CUDA; on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it)."""
 
     name = "triton"
+    reads_wait = True  # CUDA (in the interpreter on CPU too: a model of that path)
 
     def __init__(self) -> None:
-        from dynemb.kernels import triton_index, triton_rows  # noqa: PLC0415 (imports triton)
+        from dynemb.kernels import (  # noqa: PLC0415 (imports triton)
+            triton_index, triton_lookup, triton_rows,
+        )
 
-        self._ix, self._rows = triton_index, triton_rows
+        self._ix, self._rows, self._lookup = triton_index, triton_rows, triton_lookup
+
+    # Kernels index their arguments as contiguous arrays: every entry point makes them so (a
+    # strided view of keys on the GPU, ``ids[:, 0]``, would otherwise be read wrongly).
 
     def find(self, ix, keys, custom, policy, step, touch, pin, prev=None):
+        keys, custom = keys.contiguous(), custom.contiguous()
         return ito.find_pass(ix, keys, custom, policy, step, touch, pin, prev,
                              slots=self._ix.probe(ix, keys))
 
+    def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows):
+        """One read from the device per call (``kernels.triton_lookup``); with admission,
+        which judges misses on the host, the staged steps."""
+        keys, custom = keys.contiguous(), custom.contiguous()
+        if admit is not None:
+            return super().lookup(ix, keys, custom, policy, step, touch=touch, insert=insert,
+                                  atomic=atomic, admit=admit, hbm_rows=hbm_rows)
+        return self._lookup.lookup(self, ix, keys, custom, policy, step, touch=touch,
+                                   insert=insert, atomic=atomic, hbm_rows=hbm_rows)
+
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         slots, inserted, evicted, ev_keys, ev_scores, failed = self._ix.insert(
-            ix, keys, custom, policy, step, atomic)
+            ix, keys.contiguous(), custom.contiguous(), policy, step, atomic)
         if atomic and bool(failed.any()):  # nothing was written: nothing to count
             return slots, torch.zeros_like(inserted), (_EMPTY, _EMPTY, _EMPTY)
         c = ix.counts  # tensor adds: no device sync
@@ -368,7 +395,7 @@ class TritonBackend(TorchBackend):
         return slots, inserted, (ev_keys[evicted], slots[evicted], ev_scores[evicted])
 
     def erase(self, ix, keys):
-        return ito.erase(ix, keys, slots=self._ix.probe(ix, keys))
+        return ito.erase(ix, keys, slots=self._ix.probe(ix, keys.contiguous()))
 
     def pool(self, *args):
         self._rows.pool(*args)

@@ -184,6 +184,15 @@ def insert_pass(ix, keys, custom, policy: int, step: int, atomic: bool = False):
     return slots, inserted, ev
 
 
+def put_where(dst: torch.Tensor, idx: torch.Tensor, value: int) -> None:
+    """``dst[idx] = value`` where ``idx >= 0`` (those distinct), without a boolean mask (which
+    on a GPU reads its count back): the others add 0 to element 0 in the same accumulating
+    write, which an exact integer sum leaves as the valid writes make it."""
+    ok = idx >= 0
+    at = torch.where(ok, idx, 0)
+    dst.index_put_((at,), torch.where(ok, value - dst[at], 0), accumulate=True)
+
+
 def dedup(slots: torch.Tensor):
     """(inverse (N,), unique_slots (U,), unique_pos (U,)) of ``slots`` (N,): distinct slots >= 0
     in ascending order, then every occurrence without a slot (-1) as its own entry."""

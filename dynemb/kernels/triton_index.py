@@ -37,12 +37,22 @@ try:  # triton is a dependency, but a host without it still runs every other bac
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the pinned install has it
-    triton = None
+    triton = tl = None
 
 from dynemb.kernels.hashing import digest_of, home_bucket, index_hash
 from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, PIN_FREE, PIN_HELD
 
 MAX_SCORE = torch.iinfo(torch.int64).max
+
+
+def const(value: int):
+    """A module-level constant a kernel may read (compiled Triton refuses other globals; the
+    interpreter does not, so ``tests/kernels/test_triton_compiles.py`` compiles every kernel)."""
+    return tl.constexpr(value) if triton is not None else value
+
+
+K_FREE, K_HELD = const(PIN_FREE), const(PIN_HELD)
+K_NO_EVICTION, K_CUSTOM = const(P_NO_EVICTION), const(P_CUSTOM)
 
 
 def interpreted() -> bool:
@@ -74,8 +84,8 @@ _PROBE_BLOCK = 16
 
 
 @jit
-def _probe_kernel(key_ptr, bucket_ptr, digest_ptr, ikeys_ptr, idig_ptr, out_ptr, n,
-                  W: tl.constexpr, BLOCK: tl.constexpr):
+def _probe_kernel(key_ptr, bucket_ptr, digest_ptr, ikeys_ptr, idig_ptr, iscores_ptr, out_ptr,
+                  prev_ptr, n, W: tl.constexpr, JOURNAL: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     k = tl.load(key_ptr + offs, mask=ok, other=0)
@@ -87,34 +97,41 @@ def _probe_kernel(key_ptr, bucket_ptr, digest_ptr, ikeys_ptr, idig_ptr, out_ptr,
     cand = (dig == d[:, None]) & ok[:, None]  # a key's digest is >= 2: never empty or erased
     ks = tl.load(ikeys_ptr + slot, mask=cand, other=0)
     col = tl.min(tl.where(cand & (ks == k[:, None]), cols[None, :], W), axis=1)
-    tl.store(out_ptr + offs, tl.where(col < W, base + col, -1), mask=ok)
+    slot = tl.where(col < W, base + col, -1)
+    tl.store(out_ptr + offs, slot, mask=ok)
+    if JOURNAL:  # the score each found slot has before the call touches it
+        tl.store(prev_ptr + offs, tl.load(iscores_ptr + slot, mask=ok & (slot >= 0), other=0),
+                 mask=ok)
 
 
-def probe(ix, keys: torch.Tensor) -> torch.Tensor:
-    """The slot of each key (N,) or -1; reads the index only."""
+def probe(ix, keys: torch.Tensor, prev: torch.Tensor | None = None,
+          hashed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The slot of each key (N,) or -1; reads the index only. ``prev`` (N,): receives each found
+    slot's score. ``hashed``: the keys' (bucket, digest) when the caller has them."""
     n = keys.numel()
     out = torch.empty_like(keys)
     if n:
-        b, d, _ = hashes(ix, keys)
+        b, d = hashed or hashes(ix, keys)[:2]
         grid = (triton.cdiv(n, _PROBE_BLOCK),)
-        _probe_kernel[grid](keys, b, d, ix.keys, ix.digests, out, n, W=ix.width,
-                            BLOCK=_PROBE_BLOCK)
+        _probe_kernel[grid](keys, b, d, ix.keys, ix.digests, ix.scores, out,
+                            out if prev is None else prev, n, W=ix.width,
+                            JOURNAL=prev is not None, BLOCK=_PROBE_BLOCK)
     return out
 
 
 @jit
-def _insert_kernel(order_ptr, end_ptr, key_ptr, bucket_ptr, digest_ptr, start_ptr, score_ptr,
+def _insert_kernel(order_ptr, sorted_ptr, end_ptr, key_ptr, digest_ptr, start_ptr, score_ptr,
                    touch_ptr, ikeys_ptr, iscores_ptr, idig_ptr, pins_ptr, slot_ptr, ins_ptr,
-                   evk_ptr, evs_ptr, evflag_ptr, fail_ptr, veto_ptr, policy, tkind,
+                   evk_ptr, evs_ptr, evflag_ptr, fail_ptr, veto_ptr, policy, tkind, num_buckets,
                    W: tl.constexpr, MAX: tl.constexpr):
     """Program p owns the bucket of sorted key p if p starts that bucket's run ``[p, end[p])``;
-    it places the run's keys in order. ``tkind``: how a key found again is touched (0 not, 1
-    set to ``touch[i]``, 2 add one). ``veto`` (a device count): when non-zero, nothing is
+    it places the run's keys in order (bucket ``num_buckets``: keys not to insert). ``tkind``:
+    how a key found again is touched (0 not, 1 set to ``touch[i]``, 2 add one). ``veto`` (a device count): when non-zero, nothing is
     written back (the commit launch of an atomic insert that failed)."""
     p = tl.program_id(0)
-    b = tl.load(bucket_ptr + tl.load(order_ptr + p))
-    prev_b = tl.load(bucket_ptr + tl.load(order_ptr + tl.maximum(p - 1, 0)))
-    if (p == 0) | (prev_b != b):  # p starts its bucket's run
+    b = tl.load(sorted_ptr + p)
+    prev_b = tl.load(sorted_ptr + tl.maximum(p - 1, 0))
+    if ((p == 0) | (prev_b != b)) & (b < num_buckets):  # p starts its bucket's run
         cols = tl.arange(0, W)
         slots = b * W + cols
         bkeys = tl.load(ikeys_ptr + slots)
@@ -133,7 +150,7 @@ def _insert_kernel(order_ptr, end_ptr, key_ptr, bucket_ptr, digest_ptr, start_pt
             # inserted it), else free ones (empty or erased) by distance on the probe path
             dist = (cols - start) & (W - 1)
             m = tl.min(tl.where((bdig == d) & (bkeys == k), cols,
-                                tl.where(bdig <= 1, W + dist, 2 * W)))
+                                tl.where(bdig <= 1, W + dist, 2 * W))).to(tl.int64)
             found = m < W
             place = ~found & (m < 2 * W)
             col = tl.where(found, m, (start + m - W) & (W - 1))
@@ -141,10 +158,10 @@ def _insert_kernel(order_ptr, end_ptr, key_ptr, bucket_ptr, digest_ptr, start_pt
             best = score * 0 + MAX
             ev_key = k * 0
             if m >= 2 * W:  # a full bucket: the lowest-score unpinned slot, the first on ties
-                best = tl.min(tl.where(bpin == PIN_FREE, bsc, MAX))
-                col = tl.min(tl.where((bpin == PIN_FREE) & (bsc == best), cols, W))
-                evict = (col < W) & (policy != P_NO_EVICTION)
-                evict = evict & ((policy != P_CUSTOM) | (score >= best))
+                best = tl.min(tl.where(bpin == K_FREE, bsc, MAX))
+                col = tl.min(tl.where((bpin == K_FREE) & (bsc == best), cols, W)).to(tl.int64)
+                evict = (col < W) & (policy != K_NO_EVICTION)
+                evict = evict & ((policy != K_CUSTOM) | (score >= best))
                 place = evict
                 ev_key = tl.sum(tl.where(cols == col, bkeys, 0))
             at = cols == col
@@ -152,7 +169,7 @@ def _insert_kernel(order_ptr, end_ptr, key_ptr, bucket_ptr, digest_ptr, start_pt
             bsc = tl.where(at & found & (tkind != 0), touched, tl.where(at & place, score, bsc))
             bkeys = tl.where(at & place, k, bkeys)
             bdig = tl.where(at & place, d, bdig)
-            bpin = tl.where(at & place & (bpin == PIN_FREE), PIN_HELD, bpin)
+            bpin = tl.where(at & place & (bpin == K_FREE), K_HELD, bpin)
             tl.store(slot_ptr + i, tl.where(found | place, b * W + col, -1))
             tl.store(ins_ptr + i, place)
             tl.store(evflag_ptr + i, evict)
@@ -167,14 +184,18 @@ def _insert_kernel(order_ptr, end_ptr, key_ptr, bucket_ptr, digest_ptr, start_pt
             tl.store(pins_ptr + slots, bpin)
 
 
-def insert(ix, keys, custom, policy: int, step: int, atomic: bool):
-    """``index_numba.insert_pass`` on ``keys`` (N,): returns (slots, inserted (N,) bool,
-    evicted (N,) bool, the evicted key and score at each evicting occurrence, failed (N,) bool)
-    per occurrence. ``atomic``: the keys are placed in a first launch that writes nothing back,
-    and a second launch writes only if no key failed (decided on the device, no host read)."""
+def insert(ix, keys, custom, policy: int, step: int, atomic: bool,
+           only: torch.Tensor | None = None,
+           hashed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """``index_numba.insert_pass`` on ``keys`` (N,) (``only``: on the occurrences where it is
+    True): returns (slots, inserted (N,) bool, evicted (N,) bool, the evicted key and score at
+    each evicting occurrence, failed (N,) bool) per occurrence (-1 and False elsewhere).
+    ``atomic``: the keys are placed in a first launch that writes nothing back, and a second
+    launch writes only if no key failed (decided on the device, no host read). ``hashed``:
+    the keys' ``hashes`` when the caller has them."""
     n = keys.numel()
     dev = keys.device
-    b, d, start = hashes(ix, keys)
+    b, d, start = hashed or hashes(ix, keys)
     if policy == P_CUSTOM and custom.numel() > 0:
         score = touch = custom
         tkind = 1
@@ -182,16 +203,19 @@ def insert(ix, keys, custom, policy: int, step: int, atomic: bool):
         score = torch.full_like(keys, 1 if policy == P_LFU else step)
         touch = torch.full_like(keys, step)
         tkind = 2 if policy == P_LFU else int(policy in (P_LRU, P_NO_EVICTION))
-    sb, order = torch.sort(b, stable=True)
+    sb, order = torch.sort(b if only is None else torch.where(only, b, ix.num_buckets),
+                           stable=True)
     end = torch.searchsorted(sb, sb, right=True)
-    slots, ev_keys, ev_scores = (torch.empty_like(keys) for _ in range(3))
-    inserted, evicted, failed = (torch.empty(n, dtype=torch.bool, device=dev) for _ in range(3))
+    slots = torch.full_like(keys, -1)
+    ev_keys, ev_scores = torch.empty_like(keys), torch.empty_like(keys)
+    inserted, evicted, failed = (torch.zeros(n, dtype=torch.bool, device=dev) for _ in range(3))
     veto = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def launch(veto):
-        _insert_kernel[(n,)](order, end, keys, b, d, start, score, touch, ix.keys, ix.scores,
+        _insert_kernel[(n,)](order, sb, end, keys, d, start, score, touch, ix.keys, ix.scores,
                              ix.digests, ix.pins, slots, inserted, ev_keys, ev_scores, evicted,
-                             failed, veto, policy, tkind, W=ix.width, MAX=MAX_SCORE)
+                             failed, veto, policy, tkind, ix.num_buckets, W=ix.width,
+                             MAX=MAX_SCORE)
 
     if n:
         if atomic:

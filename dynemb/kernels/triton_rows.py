@@ -29,7 +29,7 @@ def _block(dim: int) -> int:
 
 @jit
 def _pool_kernel(rows_ptr, row_stride, extra_ptr, src_ptr, inv_ptr, off_ptr, len_ptr, w_ptr,
-                 out_ptr, out_stride, col, batch, dim, MEAN: tl.constexpr,
+                 out_ptr, out_stride, col, batch, dim, n_ids, MEAN: tl.constexpr,
                  WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     bag = tl.program_id(0)
     f = bag // batch
@@ -39,7 +39,8 @@ def _pool_kernel(rows_ptr, row_stride, extra_ptr, src_ptr, inv_ptr, off_ptr, len
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     i = tl.load(off_ptr + bag)
     n = tl.load(len_ptr + bag)
-    end = i + n
+    end = tl.minimum(tl.maximum(i + n, 0), n_ids)  # (lengths that no longer match the ids:
+    i = tl.minimum(tl.maximum(i, 0), n_ids)  # wrong sums, never a read outside them)
     while i < end:
         s = tl.load(src_ptr + tl.load(inv_ptr + i))
         e = tl.load(rows_ptr + s * row_stride + j, mask=inside & (s >= 0), other=0.0) \
@@ -66,8 +67,8 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, col
     if bags == 0:
         return
     _pool_kernel[(bags,)](rows, rows.stride(0), extra, src, inverse, _offsets(lengths), lengths,
-                          weights, out, out.stride(0), col, batch, dim, MEAN=bool(mean),
-                          WEIGHTED=weights.numel() > 0, BLOCK=_block(dim))
+                          weights, out, out.stride(0), col, batch, dim, inverse.numel(),
+                          MEAN=bool(mean), WEIGHTED=weights.numel() > 0, BLOCK=_block(dim))
 
 
 @jit
@@ -128,8 +129,10 @@ def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim,
     if n == 0:
         return
     dev = inverse.device
-    bags = torch.arange(lengths.numel(), device=dev)
-    bag_of = torch.repeat_interleave(bags, lengths, output_size=n)
+    # each id's bag (a search, not repeat_interleave: lengths that no longer match the ids give
+    # wrong sums, never a read outside them)
+    bag_of = torch.searchsorted(torch.cumsum(lengths, 0), torch.arange(n, device=dev),
+                                right=True).clamp_(max=max(lengths.numel() - 1, 0))
     entry, order = torch.sort(inverse, stable=True)
     u = torch.arange(grads.shape[0], device=dev)
     lo = torch.searchsorted(entry, u)

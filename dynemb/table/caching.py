@@ -273,7 +273,9 @@ class CachedResolver(Resolver):
         return d.numel()
 
     def mark_written(self, rids: torch.Tensor) -> None:
-        """Rows ``rids`` (>= 0) were written at the table's step: cached ones become dirty."""
+        """Rows ``rids`` (-1 for none) were written at the table's step: cached ones become
+        dirty."""
+        rids = rids[rids >= 0]
         step, stamp = self.state.step, self.state.score == ScorePolicy.STEP
         self.unflushed = True
         cached = rids < self.row_offset

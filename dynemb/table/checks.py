@@ -43,11 +43,12 @@ class TableChecks:
         rows may be half written: ``close()`` then leaves the ddr store unmarked, torn)."""
         return self._writing > 0
 
-    def _keys(self, keys: torch.Tensor, verb: str) -> torch.Tensor:
+    def _keys(self, keys: torch.Tensor, verb: str, checked: bool = False) -> torch.Tensor:
         if self.files is not None and self.files.closed:
             raise ConfigError(f"table {self.name!r}: {verb} after close(): its ddr store is "
                               "closed; build a new table (Storage(reopen=True) opens it again).")
-        check_keys(keys, f"table {self.name!r}: {verb}")
+        if not checked:
+            check_keys(keys, f"table {self.name!r}: {verb}")
         return keys.to(self.device)
 
     def _check_rows(self, keys, values, optimizer_state, verb, what: str = "values") -> None:

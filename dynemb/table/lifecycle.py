@@ -101,6 +101,12 @@ class RowLifecycle:
                                          self.config.eval_initializer, self.eval_mix)
         return out
 
+    def eval_rows(self, keys: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (N, dim) = the eval-initializer rows of ``keys`` (N,) (keys without a row)."""
+        rows = torch.arange(keys.numel(), device=out.device)
+        self.store.backend.init_rows(out, rows, keys, self.config.dim, 0.0,
+                                     self.config.eval_initializer, self.eval_mix)
+
     def take_evicted(self, keys: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, *,
                      with_rows: bool, offset: int) -> Evicted:
         """Records rows the table's index evicted (before their slots are reused): logged, the

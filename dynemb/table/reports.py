@@ -28,7 +28,7 @@ class TableReports:
             ddr=TierMemory(**split(ddr_rows), index_bytes=ddr_index))
 
     def stats(self) -> TableStats:
-        c, adm = self.state.counters, self.admission
+        c, adm = self.state.settled(), self.admission
         hbm_rows, ddr_rows = self.resolver.tier_rows()
         return TableStats(
             size=self.size(), capacity=self.capacity(), step=self.step,

@@ -22,8 +22,11 @@ from typing import NoReturn
 
 import torch
 
+from dynemb.batch import CHANGED_BATCH, EMPTY_KEY
 from dynemb.config import ScorePolicy, StorageMode, TableConfig
+from dynemb.errors import InputError
 from dynemb.kernels.index_numba import P_NO_EVICTION
+from dynemb.kernels.index_torch import put_where
 from dynemb.table.holds import Holding
 from dynemb.table.index import HashIndex
 from dynemb.table.lifecycle import RowLifecycle
@@ -73,8 +76,8 @@ class Resolver(Holding):
         raise NotImplementedError
 
     def mark_written(self, rids: torch.Tensor) -> None:
-        """Rows ``rids`` (all >= 0) were written at the current step: their write step, a STEP
-        score (and a cached row's dirty flag)."""
+        """Rows ``rids`` (distinct; -1 for none) were written at the current step: their write
+        step, a STEP score (and a cached row's dirty flag)."""
         raise NotImplementedError
 
     def flush(self) -> int:
@@ -162,6 +165,10 @@ class SingleIndexResolver(Resolver):
         r = self.backend.lookup(ix, keys, custom, self.state.policy, self.state.step,
                                 touch=touch, insert=insert, atomic=saved is not None,
                                 admit=judge, hbm_rows=self.layout.hbm_rows)
+        if r.reserved and saved is not None:  # the lookup changed nothing
+            self.state.restore(saved)
+            raise InputError(f"table {self.config.name!r}: lookup: found the reserved empty key "
+                             f"{EMPTY_KEY} among the ids ({CHANGED_BATCH}); nothing changed.")
         if r.failed and saved is not None:
             self.refuse(r.failed, saved)  # the lookup changed nothing
         if touch:
@@ -178,16 +185,16 @@ class SingleIndexResolver(Resolver):
             self.on_full(r.failed)
         return Lookup(unique_keys=keys[r.unique_pos], unique_slots=r.unique_slots,
                       inverse=r.inverse, inserted=r.inserted, evicted=evicted,
-                      epoch=self.state.epoch)
+                      epoch=self.state.epoch, away=r.away)
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         return self.table_index.find(keys)
 
     def mark_written(self, rids: torch.Tensor) -> None:
         ix, step = self.table_index, self.state.step
-        ix.written[rids] = step
+        put_where(ix.written, rids, step)
         if self.state.score == ScorePolicy.STEP:
-            ix.scores[rids] = step
+            put_where(ix.scores, rids, step)
 
     def hold_parts(self, rids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (rids,)  # a single index: the row id is the slot

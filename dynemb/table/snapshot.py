@@ -131,7 +131,7 @@ def meta_of(table: DynamicTable) -> dict:
     st = table.state
     score = table.lookup_score
     return {"geometry": geometry(table), "step": st.step,
-            "optimizer_step": table.optimizer.step, "counters": dict(st.counters),
+            "optimizer_step": table.optimizer.step, "counters": dict(st.settled()),
             "eviction_log_start": st.log.export()[0],
             "lookup_score": None if score is None else int(score),
             "forgotten_sightings": (None if table.admission is None
@@ -230,7 +230,7 @@ def load(table: DynamicTable, entries: dict[str, torch.Tensor], meta: dict) -> N
     st = table.state
     st.step = meta["step"]
     st.epoch += 1  # a lookup made before finds its rows again by key
-    st.counters.clear()
+    st.settled().clear()
     st.counters.update(meta["counters"])
     lengths = entries["eviction_log.lengths"].tolist()
     keys = entries["eviction_log.keys"].split(lengths) if lengths else []

@@ -53,13 +53,31 @@ class TableState:
         self.counters: Counter[str] = Counter()
         self.no_scores = torch.empty(0, dtype=torch.int64, device=device)
         self.log = EvictionLog(self.no_scores)
+        self._on_device: dict[str, torch.Tensor] = {}
+
+    def count_on_device(self, name: str, n: torch.Tensor) -> None:
+        """Adds the count ``n`` (a 0-d int tensor on the table's device) to ``counters[name]``
+        without reading it: a GPU keeps running. :meth:`settled` reads such counts."""
+        held = self._on_device.get(name)
+        self._on_device[name] = n if held is None else held + n
+
+    def settled(self) -> Counter:
+        """``counters`` with the counts :meth:`count_on_device` kept on the device added in (one
+        read of them all); for reports and saves, never the hot path."""
+        if self._on_device:
+            names = list(self._on_device)
+            for name, n in zip(names, torch.stack([self._on_device[k] for k in names]).tolist()):
+                self.counters[name] += n
+            self._on_device.clear()
+        return self.counters
 
     def snapshot(self) -> Saved:
         """The step and a copy of the counters, for :meth:`restore` (an atomic call)."""
         return self.step, self.counters.copy()
 
     def restore(self, saved: Saved) -> None:
-        """Puts the step and counters of a :meth:`snapshot` back."""
+        """Puts the step and counters of a :meth:`snapshot` back (counts on the device are
+        from backward passes, which no snapshot spans: they stay)."""
         self.step = saved[0]
         self.counters.clear()
         self.counters.update(saved[1])

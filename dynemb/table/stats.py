@@ -26,6 +26,9 @@ class Lookup:
     inserted: torch.Tensor | None
     evicted: Evicted
     epoch: int
+    away: int | None = None
+    """Entries without an hbm row (-1 or a ddr row), when the lookup counted them (the triton
+    backend's): ``DynamicTable.sources`` then finds them without reading the device."""
     held: bool = False
     """True while the lookup holds its rows (``lookup(hold=True)``, until ``release`` or
     ``apply_gradients``): no later call evicts them."""

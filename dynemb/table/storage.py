@@ -13,6 +13,7 @@ import torch
 
 from dynemb.kernels.backend import NUMBA
 from dynemb.table.ddr_files import DdrFiles, ddr_file_bytes
+from dynemb.table.pinned import pinned_zeros
 
 __all__ = ["DdrFiles", "RowStore", "ddr_file_bytes"]
 
@@ -25,24 +26,28 @@ class RowStore:
         dim: embedding width; ``width``: dim + optimizer state width.
         device: the table's device (hbm); ddr lives on the CPU.
         backend: the table's kernel backend (hbm; also ddr on a CPU table).
-        files: memory-mapped files for the ddr rows, or None (RAM; pinned for a CUDA table).
+        files: memory-mapped files for the ddr rows, or None (RAM; for a CUDA table page-locked
+            in chunks: ``dynemb.table.pinned``).
+        name: the table's name (for errors).
 
     ``hbm`` is made once and never replaced (a restore copies into it): a collection's grouped
     kernels read it by address (``dynemb.nn.grouped``).
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, dim: int, width: int, device: torch.device,
-                 backend, files: DdrFiles | None) -> None:
+                 backend, files: DdrFiles | None, name: str = "") -> None:
         self.dim, self.width, self.split = dim, width, hbm_rows
         self.backend = backend
         self.hbm = torch.zeros(hbm_rows, width, dtype=torch.float32, device=device)
         self.ddr: torch.Tensor | None = None
         self.ddr_backend = backend if device.type == "cpu" else NUMBA
+        self._side = None  # a CUDA table's side stream for copies to hbm (made on first use)
         if ddr_rows and files is not None:
             self.ddr = files.alloc("rows", ddr_rows * width, torch.float32, 0).view(ddr_rows, width)
+        elif ddr_rows and device.type == "cuda":  # page-locked in chunks (table.pinned)
+            self.ddr = pinned_zeros(ddr_rows, width, owner=self, name=name)
         elif ddr_rows:
-            self.ddr = torch.zeros(ddr_rows, width, dtype=torch.float32,
-                                   pin_memory=device.type == "cuda")
+            self.ddr = torch.zeros(ddr_rows, width, dtype=torch.float32)
 
     def parts(self, ids: torch.Tensor) -> list[tuple]:
         """``(backend, rows, slots)`` per tier for ids (U,) (-1 allowed): each tier's slots
@@ -61,9 +66,10 @@ class RowStore:
                 be.gather(rows, slots, ncols, out)
                 continue
             ok = slots >= 0
-            buf = torch.empty(int(ok.sum()), ncols, dtype=rows.dtype)
+            buf = torch.empty(int(ok.sum()), ncols, dtype=rows.dtype,
+                              pin_memory=out.device.type == "cuda")
             be.gather(rows, slots[ok], ncols, buf)
-            out[ok.to(out.device)] = buf.to(out.device, non_blocking=True)
+            out[ok.to(out.device)] = self._upload(buf)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(N, width) copies of the rows ``ids`` (all >= 0)."""
@@ -89,7 +95,24 @@ class RowStore:
         buf = torch.empty(ddr_rows.numel(), self.width, pin_memory=True)
         self.ddr_backend.copy_rows(self.ddr, ddr_rows, buf,
                                    torch.arange(ddr_rows.numel()))
-        self.hbm[hbm_rows] = buf.to(self.hbm.device, non_blocking=True)
+        self.hbm[hbm_rows] = self._upload(buf)
+
+    def _upload(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` (pinned host memory) copied to the hbm device asynchronously, on a side
+        stream (a prefetch overlaps the step running on the current stream); the current stream
+        waits for the copy before it reads the result. (Torch's pinned-memory allocator keeps
+        ``buf`` until the copy is done.)"""
+        dev = self.hbm.device
+        if dev.type != "cuda":
+            return buf.to(dev)
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(self._side):
+            out = buf.to(dev, non_blocking=True)
+        current = torch.cuda.current_stream(dev)
+        current.wait_stream(self._side)
+        out.record_stream(current)
+        return out
 
     def store_back(self, hbm_rows: torch.Tensor, ddr_rows: torch.Tensor) -> None:
         """Copies hbm rows ``hbm_rows`` (K,) to ddr rows ``ddr_rows`` (K,) (ddr row numbers)."""

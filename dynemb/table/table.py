@@ -89,7 +89,7 @@ class DynamicTable(TableChecks, TableReports):
         self.files = files
         self.store = RowStore(lay.hbm_rows, lay.ddr_rows, config.dim,
                               config.dim + self.optimizer.state_width, self.device, self.backend,
-                              files)
+                              files, config.name)
         self.state = TableState(config.score, self.device)
         self.log = self.state.log
         self.admission = (None if config.admission is None
@@ -198,7 +198,7 @@ class DynamicTable(TableChecks, TableReports):
         self.store.write(rids[ok], values.detach()[ok].to(self.device))
         if optimizer_state is not None:
             self.store.write(rids[ok], optimizer_state.detach()[ok].to(self.device), self.dim)
-        self.resolver.mark_written(rids[ok])
+        self.resolver.mark_written(torch.where(ok, rids, -1))
         return lk.evicted
 
     @writes
@@ -328,14 +328,17 @@ class DynamicTable(TableChecks, TableReports):
 
     @writes
     def lookup(self, keys: torch.Tensor, *, train: bool, keep_evicted: bool = False,
-               hold: bool = False) -> Lookup:
+               hold: bool = False, checked: bool = False) -> Lookup:
         """Resolves (N,) keys for a module: in training rows are created (through admission) and
         scores touched; in eval nothing changes. Evictions are always counted and their keys and
         scores returned; their rows are copied out only with ``keep_evicted`` (a copy the
         single-tier training path does not need). ``hold``: the rows it resolved stay in place
         (no later call evicts them) until :meth:`apply_gradients` or :meth:`release` of the
-        returned lookup (see ``dynemb.table.holds``); a call that raises holds nothing."""
-        keys = self._keys(keys, "lookup")
+        returned lookup (see ``dynemb.table.holds``); a call that raises holds nothing.
+        ``checked``: the keys come from a validated :class:`~dynemb.SparseBatch` (a 1-D int64
+        tensor free of the reserved key) and are not checked again (on a GPU that would wait
+        for the device)."""
+        keys = self._keys(keys, "lookup", checked)
         custom = None
         if train and self.config.score == ScorePolicy.CUSTOM and self.lookup_score is not None:
             custom = torch.full_like(keys, int(self.lookup_score))
@@ -354,13 +357,20 @@ class DynamicTable(TableChecks, TableReports):
         hbm row (of ``rows``), or ``-1 - m`` for row m of ``extra`` (M, dim): the entries in ddr
         and the eval-initializer rows of entries without a row. Rows are located again if rows
         were evicted since the lookup."""
+        counted = lk.away if lk.epoch == self.state.epoch else None  # (current_slots moves it)
         rids = self.current_slots(lk)
+        if counted == 0:  # every entry in hbm: nothing to find
+            return rids, torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
         away = rids < 0 if self.store.ddr is None else (rids < 0) | (rids >= self.layout.hbm_rows)
-        away = torch.nonzero(away).flatten()
+        away = (torch.nonzero(away) if counted is None
+                else torch.nonzero_static(away, size=counted)).flatten()
         extra = torch.empty(away.numel(), self.dim, dtype=torch.float32, device=self.device)
         src = rids
         if away.numel():
-            self.life.values(lk.unique_keys[away], rids[away], extra)
+            if self.store.ddr is None:  # no row: the eval initializer's
+                self.life.eval_rows(lk.unique_keys[away], extra)
+            else:
+                self.life.values(lk.unique_keys[away], rids[away], extra)
             src = rids.clone()
             src[away] = -1 - torch.arange(away.numel(), device=self.device)
         return src, extra
@@ -372,8 +382,8 @@ class DynamicTable(TableChecks, TableReports):
         if lk.epoch == st.epoch:
             return lk.unique_slots
         now = torch.where(lk.unique_slots >= 0, self.locate(lk.unique_keys), -1)
-        st.counters["stale_updates"] += int(((lk.unique_slots >= 0) & (now < 0)).sum())
-        lk.unique_slots, lk.epoch = now, st.epoch
+        st.count_on_device("stale_updates", ((lk.unique_slots >= 0) & (now < 0)).sum())
+        lk.unique_slots, lk.epoch, lk.away = now, st.epoch, None  # (no longer counted)
         return now
 
     @writes
@@ -395,7 +405,11 @@ class DynamicTable(TableChecks, TableReports):
 
     def _apply(self, lk: Lookup, grads: torch.Tensor, clip: bool) -> None:
         grads = grads.to(torch.float32).contiguous()
-        rids, bad = self.gradient_rows(lk, grads)
+        if self.backend.reads_wait and self.config.nonfinite != NonFinite.RAISE:
+            rids = self._device_gradient_rows(lk, grads)
+            bad = 0
+        else:
+            rids, bad = self.gradient_rows(lk, grads)
         if bad:
             self.state.counters["nonfinite_grads"] += bad
             if self.config.nonfinite == NonFinite.RAISE:
@@ -406,7 +420,15 @@ class DynamicTable(TableChecks, TableReports):
                     "non-finite (a lower learning rate often helps), or choose nonfinite='skip' "
                     "to skip such rows and count them.")
         self.optimizer.apply(self.store.parts(rids), grads, clip=clip)
-        self.resolver.mark_written(rids[rids >= 0])
+        self.resolver.mark_written(rids)
+
+    def _device_gradient_rows(self, lk: Lookup, grads: torch.Tensor) -> torch.Tensor:
+        """:meth:`gradient_rows` without reading the device (SKIP and APPLY): the rows with NaN
+        or inf are found and counted there, and read when ``stats()`` asks."""
+        rids = self.current_slots(lk)
+        bad = (rids >= 0) & ~torch.isfinite(grads).all(dim=1)
+        self.state.count_on_device("nonfinite_grads", bad.sum())
+        return torch.where(bad, -1, rids) if self.config.nonfinite == NonFinite.SKIP else rids
 
     def gradient_rows(self, lk: Lookup, grads: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(row ids (U,) that an update with ``grads`` (U, dim) float32 writes, the number of

@@ -102,6 +102,65 @@ def test_index_kernels_leave_the_index_slot_for_slot_as_numba(policy, split, ops
         _same(a, b, f"step {step} ({op})")
 
 
+def _fused(be, ix, keys, custom, policy, step, train, atomic):
+    """``backend.lookup`` (the numba backend's fused kernels, the triton backend's one-read
+    lookup), its entries in a backend-free form, on the CPU."""
+    keys, custom = keys.to(ix.keys.device), custom.to(ix.keys.device)
+    r = be.lookup(ix, keys, custom, policy, step, touch=train, insert=train, atomic=atomic,
+                  admit=None, hbm_rows=ix.split * ix.width)
+    if atomic and r.failed:
+        return r.failed, r.tiers
+    entries = sorted(torch.stack([r.unique_slots, r.unique_pos], 1).tolist())
+    return (r.failed, r.tiers, r.unique_slots[r.inverse].cpu(), torch.tensor(entries),
+            r.slots.cpu(), r.fresh.cpu(), *(t.cpu() for t in r.evicted),
+            None if r.inserted is None else r.inserted.cpu())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from([P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION]),
+       split=st.sampled_from([None, 1]),
+       ops=st.lists(st.tuples(keys_st, st.booleans(), st.booleans()), min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_the_one_read_lookup_matches_the_numba_lookup(policy, split, ops, seed):
+    """Training and eval lookups through ``backend.lookup``: the same entries, slots, new rows,
+    evictions, failures and tier counts, and the same index after each call."""
+    tb = _triton()
+    a = HashIndex(2, 8, CPU, NUMBA, split=split)
+    b = HashIndex(2, 8, DEV, tb, split=split)
+    g = torch.Generator().manual_seed(seed)
+    for step, (keys, train, atomic) in enumerate(ops, start=1):
+        k = torch.tensor(keys, dtype=torch.int64) * 7919
+        custom = torch.randint(0, 30, k.shape, generator=g) if policy == P_CUSTOM else NONE
+        ra = _fused(NUMBA, a, k, custom, policy, step, train, atomic and train)
+        rb = _fused(tb, b, k, custom, policy, step, train, atomic and train)
+        assert len(ra) == len(rb)
+        for x, y in zip(ra, rb, strict=True):
+            assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y), \
+                f"step {step}: results differ"
+        _same(a, b, f"step {step}")
+
+
+def test_the_one_read_lookup_touches_with_the_last_custom_score_and_undoes_a_failure():
+    tb = _triton()
+    a = HashIndex(1, 8, CPU, NUMBA)
+    b = HashIndex(1, 8, DEV, tb)
+    calls = [([1, 2, 3], [5, 6, 7], False),
+             ([1, 1, 2, 1], [9, 8, 4, 3], False),   # 1 ends at 3: its last occurrence
+             (list(range(10, 16)), [9] * 6, False),  # the bucket is full
+             ([1, 2, 1, 20, 21], [40, 41, 42, 1, 1], True)]  # 20 and 21 are below every score
+    for step, (keys, custom, atomic) in enumerate(calls, start=1):
+        k, c = torch.tensor(keys), torch.tensor(custom)
+        before = {n: getattr(b, n).clone() for n in ARRAYS}
+        ra = _fused(NUMBA, a, k, c, P_CUSTOM, step, True, atomic)
+        rb = _fused(tb, b, k, c, P_CUSTOM, step, True, atomic)
+        assert all((x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)
+                   for x, y in zip(ra, rb, strict=True))
+        _same(a, b, f"call {step}")
+        if step == 2:
+            assert sorted(b.scores[b.digests >= 2].tolist()) == [3, 4, 7]
+    assert ra[0] == 2 and all(torch.equal(getattr(b, n), before[n]) for n in ARRAYS)
+
+
 def test_insert_evicts_by_score_and_respects_pins():
     """A full bucket: each new key takes the lowest-score unpinned slot, the first on ties; keys
     the call found or inserted are pinned; NO_EVICTION fails instead; a CUSTOM score below the
@@ -236,3 +295,52 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_index, "available", lambda device: False)
     with pytest.raises(dynemb.errors.ConfigError, match="TRITON_INTERPRET=1"):
         backend_for(CPU, "triton")
+
+
+def _table(backend, **kw):
+    cfg = dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=64, bucket_capacity=8,
+                             **kw)
+    return dynemb.DynamicTable(cfg, backend=backend, device=CPU if backend == "numba" else DEV)
+
+
+def _stored(table) -> list[int]:
+    return sorted(table.export_batch(0, table.capacity()).keys.tolist())
+
+
+def test_strided_and_expanded_keys_are_read_as_the_values_they_show():
+    base = torch.arange(1, 17) * 1000
+    for keys in (base[::2], torch.tensor([5]).expand(6)):
+        tables = [_table(be) for be in ("numba", "triton")]
+        for t in tables:
+            t.find_or_insert(keys.to(t.device))
+        assert _stored(tables[0]) == _stored(tables[1]) == sorted(set(keys.tolist()))
+        assert bool(tables[1].find(keys.to(DEV)).found.all())
+
+
+def test_rows_located_again_are_found_by_pooling_after_an_erase():
+    t = _table("triton")
+    lk = t.lookup(torch.tensor([1, 2, 3], device=DEV), train=True)
+    assert lk.away == 0
+    t.erase(torch.tensor([2], device=DEV))
+    t.embeddings(lk)  # locates the rows again: one entry lost its row
+    src, extra = t.sources(lk)
+    assert (src < 0).sum().item() == 1 and extra.shape[0] == 1
+
+
+@pytest.mark.parametrize("on_full", [dynemb.OnFull.RAISE, dynemb.OnFull.COUNT])
+def test_a_batch_changed_to_hold_the_reserved_key_never_makes_it_a_row(on_full):
+    """The triton backend does not check a batch again (that would wait for the GPU)."""
+    ebc = dynemb.EmbeddingBagCollection(
+        [dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=64, on_full=on_full)],
+        backend="triton", device=DEV)
+    batch = dynemb.SparseBatch(features=["f"], values=torch.tensor([1, 2]),
+                               lengths=torch.tensor([1, 1])).to(DEV)
+    batch.values[1] = dynemb.EMPTY_KEY
+    t = ebc.tables["t"]
+    if on_full == dynemb.OnFull.RAISE:
+        with pytest.raises(dynemb.errors.InputError, match="reserved empty key.*changed after"):
+            ebc(batch)
+        assert t.size() == 0 and t.step == 0
+    else:
+        ebc(batch)
+        assert _stored(t) == [1] and t.stats().failed_inserts == 1

@@ -1,0 +1,184 @@
+"""One training or eval lookup on the triton backend with a single host synchronisation.
+
+``backend.staged_lookup`` (find, insert, finish) reads sizes and counts back to the host at
+every step: on a GPU each read waits for the device (about 20 per table and lookup). Here every
+intermediate result keeps the call's static size N, and one read at the end brings back all the
+numbers the host needs (entries, evictions, new rows, failures, per-tier counts, entries away
+from hbm):
+
+1. probe every occurrence (``triton_index.probe``; with a journal of the scores it will touch);
+2. touch and pin the found slots (``_touch_kernel``: the same value per slot, an atomic add
+   for LFU, the last occurrence for CUSTOM);
+3. insert the occurrences of missing keys, sorted by bucket with the found ones last
+   (``triton_index.insert``; one program per bucket, so slot for slot as the numba kernels);
+4. number the entries with a sort of the slots (distinct slots ascending, then each occurrence
+   without a slot: the torch backend's order) and free the call's pins (``_release_kernel``);
+5. compact evictions and new rows in occurrence order into (N + 1)-long buffers (a cumulative
+   sum gives each its place; the rest go to the last, spare element);
+6. read the counts once, and cut the buffers to size.
+
+Same observable result as ``staged_lookup`` on either backend (tests/kernels/test_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.batch import EMPTY_KEY
+from dynemb.kernels import triton_index as tix
+from dynemb.kernels.index_numba import (
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION,
+)
+from dynemb.kernels.triton_index import K_FREE, K_HELD, jit, tl, triton
+
+_BLOCK = 128
+
+
+@jit
+def _touch_kernel(slot_ptr, last_ptr, custom_ptr, iscores_ptr, pins_ptr, n, step,
+                  TKIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Touches (``TKIND`` 1: set to ``step``; 2: add one; 3: the key's last occurrence sets its
+    custom score) and pins each found occurrence's slot. Occurrences of one slot write the same
+    value (or add atomically, which is order-free for integers): any interleaving gives one
+    result."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    s = tl.load(slot_ptr + offs, mask=ok, other=-1)
+    hit = ok & (s >= 0)
+    if TKIND == 1:
+        tl.store(iscores_ptr + s, tl.zeros_like(s) + step, mask=hit)
+    elif TKIND == 2:
+        tl.atomic_add(iscores_ptr + s, tl.zeros_like(s) + 1, mask=hit)
+    elif TKIND == 3:
+        last = tl.load(last_ptr + offs, mask=ok, other=0) != 0
+        tl.store(iscores_ptr + s, tl.load(custom_ptr + offs, mask=ok, other=0), mask=hit & last)
+    p = tl.load(pins_ptr + s, mask=hit, other=0)
+    tl.store(pins_ptr + s, tl.zeros_like(p) + K_HELD, mask=hit & (p == K_FREE))
+
+
+@jit
+def _release_kernel(slot_ptr, pins_ptr, n, BLOCK: tl.constexpr):
+    """Frees the call's pins (a slot pinned by it; hold counts of lookups in flight stay)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    s = tl.load(slot_ptr + offs, mask=ok, other=-1)
+    hit = ok & (s >= 0)
+    p = tl.load(pins_ptr + s, mask=hit, other=0)
+    tl.store(pins_ptr + s, tl.zeros_like(p) + K_FREE, mask=hit & (p == K_HELD))
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, _BLOCK),)
+
+
+def _last_of_slot(slots: torch.Tensor) -> torch.Tensor:
+    """(N,) int8: whether each occurrence is the last one of its slot (slots >= 0)."""
+    n = slots.numel()
+    order = torch.sort(slots, stable=True).indices
+    s = slots[order]
+    last = torch.ones(n, dtype=torch.int8, device=slots.device)
+    last[:-1] = (s[1:] != s[:-1]).to(torch.int8)
+    out = torch.empty_like(last)
+    out[order] = last
+    return out
+
+
+def _compact(flags: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer (N + 1,), count on the device): ``values`` where ``flags``, in order, at the
+    buffer's start (cut to the count once it is read)."""
+    n = flags.numel()
+    place = torch.cumsum(flags, 0) - 1
+    buf = torch.empty(n + 1, dtype=values.dtype, device=values.device)
+    buf.scatter_(0, torch.where(flags, place, n), values)
+    return buf, flags.sum()
+
+
+def _number(slots: torch.Tensor, num_slots: int):
+    """Entries of the call's slots: (inverse (N,), unique slots and first occurrences as
+    (N + 1,) buffers, U on the device). Distinct slots ascending, then each occurrence without
+    a slot, in order."""
+    n = slots.numel()
+    dev = slots.device
+    pos = torch.arange(n, device=dev)
+    sk, perm = torch.sort(torch.where(slots >= 0, slots, num_slots + pos), stable=True)
+    new = torch.ones(n, dtype=torch.bool, device=dev)
+    new[1:] = sk[1:] != sk[:-1]
+    entry = torch.cumsum(new, 0) - 1
+    inverse = torch.empty_like(entry)
+    inverse[perm] = entry
+    at = torch.where(new, entry, n)
+    uslots = torch.full((n + 1,), -1, dtype=torch.int64, device=dev)
+    uslots.scatter_(0, at, torch.where(sk < num_slots, sk, -1))
+    upos = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    upos.scatter_(0, at, perm)  # the stable sort puts a slot's first occurrence first
+    return inverse, uslots, upos, new.sum()
+
+
+def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, atomic: bool,
+           hbm_rows: int):
+    """``staged_lookup``'s :class:`~dynemb.kernels.backend.Resolved` (no admission) on the
+    triton backend ``be`` with one read from the device; its ``away`` counts the entries
+    without an hbm row."""
+    from dynemb.kernels.backend import _EMPTY, Resolved, staged_lookup  # noqa: PLC0415
+
+    n = keys.numel()
+    dev = keys.device
+    if n == 0:
+        return staged_lookup(be, ix, keys, custom, policy, step, touch=touch, insert=insert,
+                             atomic=atomic, admit=None, hbm_rows=hbm_rows)._replace(away=0)
+    b, d, start = tix.hashes(ix, keys)
+    prev = torch.empty_like(keys) if atomic and touch else None
+    found = tix.probe(ix, keys, prev, hashed=(b, d))
+    has_custom = policy == P_CUSTOM and custom.numel() > 0
+    if touch or insert:  # (pins keep an insert from evicting the call's own rows)
+        tkind = 0
+        if touch:
+            tkind = {P_LRU: 1, P_NO_EVICTION: 1, P_LFU: 2}.get(policy, 3 if has_custom else 0)
+        last = _last_of_slot(found) if tkind == 3 else found
+        _touch_kernel[_grid(n)](found, last, custom if has_custom else found, ix.scores,
+                                ix.pins, n, step, TKIND=tkind, BLOCK=_BLOCK)
+    hit = found >= 0
+    miss_hbm = ~hit & (b < ix.split)
+    counts = [hit & (found < hbm_rows), hit & (found >= hbm_rows), miss_hbm, ~hit & ~miss_hbm]
+    slots, inserted, fresh_n, nums_reserved = found, None, None, []
+    ev_n = failed = torch.zeros((), dtype=torch.int64, device=dev)
+    if insert:
+        # (the reserved empty key, in a batch changed after it was checked, never gets a row:
+        # it fails, counted, instead of corrupting the index)
+        reserved = keys == EMPTY_KEY
+        new, inserted, evicted, ev_keys, ev_scores, fails = tix.insert(
+            ix, keys, custom, policy, step, atomic, only=~hit & ~reserved, hashed=(b, d, start))
+        slots = torch.where(hit, found, new)
+        failed = fails.sum() + reserved.sum()
+        nums_reserved = [reserved.sum()]
+        (ev_k, ev_n), (ev_s, _), (ev_sc, _) = (_compact(evicted, v) for v in (ev_keys, new,
+                                                                              ev_scores))
+        fresh, fresh_n = _compact(inserted, torch.arange(n, device=dev))
+    inverse, uslots, upos, u = _number(slots, ix.num_slots)
+    away = ((uslots[:n] < 0) | (uslots[:n] >= hbm_rows)) & (torch.arange(n, device=dev) < u)
+    nums = [u, ev_n, failed, away.sum(), *(c.sum() for c in counts), *nums_reserved]
+    if fresh_n is not None:
+        nums.append(fresh_n)
+    got = torch.stack(nums).tolist()  # the one read of the call
+    n_u, n_ev, n_failed, n_away, tiers = got[0], got[1], got[2], got[3], got[4:8]
+    n_reserved = got[8] if insert else 0
+    if insert and n_failed and atomic:  # nothing was inserted: undo the touches and pins
+        if prev is not None:
+            ix.scores.index_put_((found[hit],), prev[hit])
+        _release_kernel[_grid(n)](found, ix.pins, n, BLOCK=_BLOCK)
+        return Resolved(_EMPTY, _EMPTY, _EMPTY, slots, None, _EMPTY, (_EMPTY,) * 3, n_failed,
+                        tiers, None, None, n_reserved)
+    if touch or insert:
+        _release_kernel[_grid(n)](slots, ix.pins, n, BLOCK=_BLOCK)
+    ev, fresh_out = (_EMPTY.to(dev),) * 3, _EMPTY.to(dev)
+    if insert:
+        c = ix.counts  # tensor adds: no host read
+        c[C_INSERTED] += inserted.sum()
+        c[C_EVICTED] += ev_n
+        c[C_FAILED] += failed
+        c[C_SIZE_DELTA] += inserted.sum() - ev_n
+        ev = (ev_k[:n_ev], ev_s[:n_ev], ev_sc[:n_ev])
+        fresh_out = fresh[:got[9]]
+    return Resolved(inverse, uslots[:n_u], upos[:n_u], slots, inserted, fresh_out, ev, n_failed,
+                    tiers, None, n_away, n_reserved)
+

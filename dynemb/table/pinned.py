@@ -1,0 +1,60 @@
+"""The ddr tier of a CUDA table: host memory page-locked in chunks.
+
+``torch.zeros(..., pin_memory=True)`` would make one pinned allocation of the whole tier, which
+torch's pinned-memory allocator rounds up to a power of two (a 300 GB tier would ask for 512 GB)
+and which the driver must lock in one call. Instead the tier is ordinary host memory, one
+tensor (every kernel and copy addresses it as before), registered with the CUDA driver
+(``cudaHostRegister``) chunk by chunk: no allocation beyond the rows themselves, hundreds of GB
+possible, a progress bar while a large tier locks, and the registrations undone when the table
+goes (``weakref.finalize``) or when one fails part way (nothing stays locked). On a system with
+unified addressing registered memory is also mapped: GPU kernels can read it in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from tqdm import tqdm
+
+from dynemb.errors import ConfigError
+
+CHUNK_BYTES = 1 << 30
+"""Bytes page-locked per ``cudaHostRegister`` call."""
+_BAR_CHUNKS = 8  # a tier of more chunks than this shows a progress bar while it locks
+
+
+def _unregister(runtime, ptrs: list[int], rows: torch.Tensor | None = None) -> None:
+    """Unlocks the chunks at ``ptrs`` (``rows``, their tensor, is held until then)."""
+    for p in reversed(ptrs):
+        runtime.cudaHostUnregister(p)
+    ptrs.clear()
+
+
+def pinned_zeros(rows: int, width: int, *, owner: object, name: str,
+                 chunk_bytes: int = CHUNK_BYTES, runtime=None) -> torch.Tensor:
+    """(rows, width) float32 zeros in host memory page-locked in chunks of ``chunk_bytes``,
+    unlocked when ``owner`` is garbage collected. ``runtime``: the CUDA runtime
+    (``torch.cuda.cudart()``; tests pass a stand-in). ``name`` names the table in errors."""
+    out = torch.zeros(rows, width, dtype=torch.float32)
+    runtime = runtime or torch.cuda.cudart()
+    base, nbytes = out.data_ptr(), out.numel() * out.element_size()
+    starts = range(0, nbytes, chunk_bytes)
+    ptrs: list[int] = []
+    try:
+        for off in tqdm(starts, desc=f"pinning the ddr rows of table {name!r}", unit="GiB",
+                        unit_scale=chunk_bytes / (1 << 30), disable=len(starts) <= _BAR_CHUNKS):
+            err = runtime.cudaHostRegister(base + off, min(chunk_bytes, nbytes - off), 0)
+            if int(err) != 0:
+                raise ConfigError(
+                    f"table {name!r}: page-locking its ddr rows failed at byte {off} of {nbytes} "
+                    f"(cudaHostRegister: {err}); the host may lack that much lockable memory "
+                    "(see `ulimit -l`). Choose a smaller ddr tier (capacity, cache_load_factor) "
+                    "or Storage(ddr_path=...) for memory-mapped rows.")
+            ptrs.append(base + off)
+    except BaseException:
+        _unregister(runtime, ptrs)
+        raise
+    done = weakref.finalize(owner, _unregister, runtime, ptrs, out)
+    done.atexit = False  # a process that exits gives all its memory back
+    return out

@@ -1,0 +1,169 @@
+"""Host synchronisations on the CUDA code path, counted on the CPU.
+
+On a GPU every value read back to the host (``item``, ``int``/``bool``/``float`` of a tensor,
+``tolist``, ``cpu``) and every op whose output size depends on the data (``nonzero``,
+``unique``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``) waits for the
+device to finish all queued work. The triton backend runs the CUDA code path, kernels in
+Triton's interpreter here, so counting those calls made from dynemb's own code on the CPU
+counts the waits a GPU would have. Targets (issue: the CUDA path): at most one per table per
+training or eval forward (the number of entries, which sizes the rest), none in backward, none
+to count statistics (``stats()`` reads them when asked).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+
+import dynemb
+from dynemb.kernels import triton_index
+
+pytestmark = pytest.mark.skipif(not triton_index.available(torch.device("cpu")),
+                                reason="Triton's interpreter is off")
+ROOT = os.path.dirname(dynemb.__file__)
+READS = ("item", "tolist", "cpu", "numpy", "nonzero", "unique", "unique_consecutive",
+         "__bool__", "__int__", "__float__", "__index__", "masked_select", "argwhere")
+
+
+def _masks(idx) -> bool:
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+class Syncs:
+    """Calls that wait for the device, by name and by place in dynemb's code."""
+
+    def __init__(self) -> None:
+        self.at: collections.Counter[str] = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.at.values())
+
+    def __repr__(self) -> str:
+        return f"{self.total} host syncs: {dict(self.at)}"
+
+
+@contextlib.contextmanager
+def count_syncs():
+    """Counts the sync-causing calls made directly from dynemb's code while it is open."""
+    syncs, saved = Syncs(), []
+
+    def patch(owner, name, when=None):
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            frame = sys._getframe(1)
+            mine = frame.f_code.co_filename.startswith(ROOT)
+            if mine and (when is None or when(*args, **kwargs)):
+                where = os.path.relpath(frame.f_code.co_filename, ROOT)
+                syncs.at[f"{name} at {where}:{frame.f_lineno}"] += 1
+            return original(*args, **kwargs)
+
+        saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    for name in READS:
+        patch(torch.Tensor, name)
+    patch(torch.Tensor, "__getitem__", lambda self, idx: _masks(idx))
+    patch(torch.Tensor, "__setitem__", lambda self, idx, value: _masks(idx))
+    patch(torch.Tensor, "repeat_interleave", lambda *a, **k: "output_size" not in k)
+    for name in ("nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"):
+        patch(torch, name)
+    patch(torch, "repeat_interleave", lambda *a, **k: "output_size" not in k)
+    patch(torch, "where", lambda *a, **k: len(a) + len(k) == 1)
+    try:
+        yield syncs
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def test_the_harness_counts_what_waits():
+    """A check that reads a flag back is counted; a torch op that does not read is not."""
+    t = torch.ones(4)
+    with count_syncs() as s:
+        dynemb.batch.all_finite(t)
+        dynemb.kernels.index_torch.put_where(torch.zeros(4, dtype=torch.int64),
+                                             torch.tensor([1, -1]), 3)
+    assert s.total == 1 and "__bool__" in repr(s)
+
+
+def _collection(storage, optimizer=None, **kw):
+    opt = optimizer or dynemb.Adam(lr=0.01)
+    cfgs = [dynemb.TableConfig(name="t", dim=8, features=["a", "b"], capacity=64,
+                               bucket_capacity=8, storage=storage, optimizer=opt, **kw),
+            dynemb.TableConfig(name="u", dim=4, features=["c"], capacity=64, bucket_capacity=8,
+                               storage=storage, optimizer=opt, pooling=dynemb.PoolingMode.MEAN,
+                               **kw)]
+    return dynemb.EmbeddingBagCollection(cfgs, backend="triton")
+
+
+def _batch(seed: int, weighted: bool = False) -> dynemb.SparseBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (3 * 8,), generator=g)
+    values = torch.randint(0, 500, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return dynemb.SparseBatch(features=["a", "b", "c"], values=values, lengths=lengths,
+                              weights=weights)
+
+
+def _step_syncs(ebc, batch):
+    with count_syncs() as forward:
+        out = ebc(batch).values()
+    loss = out.sum()
+    with count_syncs() as backward:
+        loss.backward()
+    return forward, backward
+
+
+@pytest.mark.parametrize(("score", "on_full"), [
+    (dynemb.ScorePolicy.LRU, dynemb.OnFull.COUNT), (dynemb.ScorePolicy.LFU, dynemb.OnFull.RAISE),
+    (dynemb.ScorePolicy.STEP, dynemb.OnFull.COUNT)])
+def test_an_hbm_only_step_waits_once_per_table_in_forward_and_never_in_backward(score, on_full):
+    ebc = _collection(dynemb.Storage(), score=score, on_full=on_full)
+    for seed in range(3):  # tables fill up and evict
+        ebc(_batch(seed)).values().sum().backward()
+    forward, backward = _step_syncs(ebc, _batch(9, weighted=True))
+    assert forward.total <= 2, forward  # two tables
+    assert backward.total == 0, backward
+    assert ebc.tables["t"].stats().evicted > 0
+    ebc.eval()
+    batch = _batch(10)  # (built and checked on the host)
+    with count_syncs() as evaluation:
+        ebc(batch)
+    assert evaluation.total <= 2, evaluation
+
+
+def test_counts_kept_on_the_device_are_read_by_stats():
+    """Non-finite gradient rows are found, skipped and counted on the device; ``stats()`` and a
+    saved state read them."""
+    ebc = _collection(dynemb.Storage())
+    out = ebc(_batch(1)).values()
+    grad = torch.zeros_like(out)
+    grad[0, 0] = float("nan")
+    with count_syncs() as backward:
+        out.backward(grad)
+    assert backward.total == 0, backward
+    st = ebc.tables["t"].stats()
+    assert st.nonfinite_grads == 1
+    assert ebc.tables["t"].state.settled()["nonfinite_grads"] == 1  # read once, kept
+    assert ebc.tables["t"].stats().nonfinite_grads == 1
+
+
+@pytest.mark.parametrize(("mode", "most"), [(dynemb.StorageMode.HYBRID, 24),
+                                            (dynemb.StorageMode.CACHING, 100)])
+def test_hybrid_and_caching_steps_wait_no_more_than_they_do_today(mode, most):
+    """Not at the target yet: a HYBRID table moves new and ddr rows through host-side masks, a
+    CACHING table resolves misses in its host backing store. Bounds that keep it from growing."""
+    ebc = _collection(dynemb.Storage(mode=mode, cache_load_factor=0.5))
+    for seed in range(3):
+        ebc(_batch(seed)).values().sum().backward()
+    forward, backward = _step_syncs(ebc, _batch(9))
+    assert forward.total <= most, forward
+    assert backward.total <= 8, backward
