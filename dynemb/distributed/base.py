@@ -55,7 +55,8 @@ class ShardedCollection(TablesStayPut):
         tables: the table configs, the same on every rank (checked collectively).
         group: the process group (None: the default group, resolved on every call).
         device: where this rank's shards live (CPU for gloo; the rank's GPU for nccl).
-        backend: kernel backend of the shards ("numba" or "torch"; default by device).
+        backend: kernel backend of the shards ("numba", "torch" or "triton"; default by
+            device).
         log_every: forward calls between debug-level log lines of this rank's load.
         feature_policy: batch features no table reads are refused ("strict") or skipped
             ("ignore"), as in the unsharded collections.

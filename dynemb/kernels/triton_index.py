@@ -126,8 +126,9 @@ def _insert_kernel(order_ptr, sorted_ptr, end_ptr, key_ptr, digest_ptr, start_pt
                    W: tl.constexpr, MAX: tl.constexpr):
     """Program p owns the bucket of sorted key p if p starts that bucket's run ``[p, end[p])``;
     it places the run's keys in order (bucket ``num_buckets``: keys not to insert). ``tkind``:
-    how a key found again is touched (0 not, 1 set to ``touch[i]``, 2 add one). ``veto`` (a device count): when non-zero, nothing is
-    written back (the commit launch of an atomic insert that failed)."""
+    how a key found again is touched (0 not, 1 set to ``touch[i]``, 2 add one). ``veto`` (a
+    device count): when non-zero, nothing is written back (the commit launch of an atomic
+    insert that failed)."""
     p = tl.program_id(0)
     b = tl.load(sorted_ptr + p)
     prev_b = tl.load(sorted_ptr + tl.maximum(p - 1, 0))

@@ -8,8 +8,8 @@ optimizer updates, for CUDA tables: :mod:`dynemb.kernels.pooling_numba` and the 
 * Pooling backward: one program per entry sums the gradients of its ids in id order (the ids
   sorted by entry with a stable sort), so no two programs write one row and the sum's order is
   the numba kernel's: no atomics, the same result on every run.
-* Optimizers: one program per ``BLOCK`` entries updates their rows in place; distinct entries
-  have distinct rows (a lookup's entries are its distinct slots), so programs never share a row.
+* Optimizers: one program per entry updates its row in place; distinct entries have distinct
+  rows (a lookup's entries are its distinct slots), so programs never share a row.
 
 Rows are float32. Where the arithmetic is the numba kernels' (the interpreter runs it in numpy)
 the results are bit-identical; compiled for a GPU, fused multiply-adds and a tree-shaped row sum

@@ -65,7 +65,7 @@ class DLRM(nn.Module):
         bottom_mlp: hidden sizes of the bottom MLP; its output has ``dim`` units (ReLU).
         top_mlp: hidden sizes of the top MLP; its output is one logit.
         device: where the tables and the dense layers live.
-        backend: the tables' kernel backend (None: numba on CPU, torch elsewhere).
+        backend: the tables' kernel backend (None: numba on CPU, triton on CUDA).
     """
 
     def __init__(self, *, dense_dim: int, tables: Sequence[TableConfig],

@@ -458,7 +458,8 @@ class EmbeddingBagCollection(_Collection):
             holds each table's state as tensors viewing its storage, and ``load_state_dict``
             restores it exactly into a collection of the same tables (``dynemb.checkpoint``
             also saves across world sizes and geometries).
-        backend: kernel backend, "numba" or "torch" (default: numba on CPU, torch elsewhere).
+        backend: kernel backend, "numba", "torch" or "triton" (default: numba on CPU, triton
+            on CUDA).
         feature_policy: batch features no table reads are refused ("strict", the default) or
             skipped ("ignore", as torchrec's collections do).
     """

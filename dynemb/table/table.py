@@ -66,8 +66,8 @@ class DynamicTable(TableChecks, TableReports):
     Args:
         config: the table's configuration.
         device: where hbm rows and the index live (default CPU).
-        backend: "numba" (compiled CPU kernels, the CPU default) or "torch" (vectorised reference,
-            any device).
+        backend: "numba" (compiled CPU kernels, the CPU default), "triton" (Triton kernels, the
+            CUDA default) or "torch" (vectorised reference, any device).
     """
 
     def __init__(self, config: TableConfig, *, device: torch.device | str | None = None,

@@ -234,7 +234,8 @@ class EmbeddingConfig:
     """Which rank owns an id under torchrun: ``hash_roundrobin``, ``roundrobin`` or
     ``continuous`` (needs the number of ids; see docs/sharding.md)."""
     backend: str | None = None
-    """Kernel backend: ``numba``, ``torch`` or null (numba on CPU, torch elsewhere)."""
+    """Kernel backend: ``numba``, ``torch``, ``triton`` or null (numba on CPU, triton on
+    CUDA)."""
     threads: int | None = None
     """Threads each table's CPU kernels split a call over (``TableConfig.threads``; results are
     the same for any count); null: the run's ``threads``. On a small machine one torch thread
