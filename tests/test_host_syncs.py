@@ -140,6 +140,19 @@ def test_an_hbm_only_step_waits_once_per_table_in_forward_and_never_in_backward(
     assert evaluation.total <= 2, evaluation
 
 
+def test_a_held_lookup_waits_once_and_its_release_never():
+    """Pipelines hold a batch's rows from its lookup to its update (``lookup(hold=True)``)."""
+    t = _collection(dynemb.Storage()).tables["t"]
+    keys = torch.arange(40)
+    with count_syncs() as lookup:
+        lk = t.lookup(keys, train=True, hold=True, checked=True)
+    grads = torch.ones(lk.unique_keys.numel(), t.dim)
+    with count_syncs() as update:
+        t.apply_gradients(lk, grads)
+    assert lookup.total == 1 and update.total == 0, (lookup, update)
+    assert t.held_rows() == 0
+
+
 def test_counts_kept_on_the_device_are_read_by_stats():
     """Non-finite gradient rows are found, skipped and counted on the device; ``stats()`` and a
     saved state read them."""

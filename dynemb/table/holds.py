@@ -49,11 +49,20 @@ class Holding:
         distinct)."""
         raise NotImplementedError
 
+    def _on_device(self) -> bool:
+        """Whether holds are taken without reading the device: a single index whose backend's
+        reads wait for a GPU (``HashIndex.hold_where``; its slots are the row ids)."""
+        return len(self.hold_indexes) == 1 and self.hold_indexes[0].backend.reads_wait
+
     def hold(self, lk: Lookup) -> None:
         """Holds every row ``lk`` resolved (its ``unique_slots`` >= 0, which are distinct)."""
-        parts = self.hold_parts(lk.unique_slots[lk.unique_slots >= 0])
-        for ix, slots in zip(self.hold_indexes, parts):
-            ix.hold(slots)
+        if self._on_device():
+            parts = (lk.unique_slots,)  # -1 entries included: skipped
+            self.hold_indexes[0].hold_where(parts[0])
+        else:
+            parts = self.hold_parts(lk.unique_slots[lk.unique_slots >= 0])
+            for ix, slots in zip(self.hold_indexes, parts):
+                ix.hold(slots)
         lk.held, lk.holds = True, Holds(self, parts)
 
     def release(self, lk: Lookup, table_name: str) -> None:
@@ -67,7 +76,10 @@ class Holding:
             raise InputError(f"table {table_name!r}: release() got a lookup held by another "
                              "table; release a lookup on the table that looked it up.")
         for ix, slots in zip(self.hold_indexes, rec.slots):
-            ix.release(slots)
+            if self._on_device():
+                ix.release_where(slots)
+            else:
+                ix.release(slots)
         rec.live = False
         lk.held, lk.holds = False, None
 

@@ -33,7 +33,8 @@ class HashIndex:
     Holds: lookups in flight (``lookup(hold=True)`` until ``release``) hold their slots. A held
     slot's pin counts its holds: ``PIN_LOCKED - (count - 1)`` (-4 for one hold, -5 for two,
     ...), a value no insert takes as a victim, so holds cost no memory. Only :meth:`hold` and
-    :meth:`release` change a count, by one per slot given; a lookup's ``finish``/``unpin`` (which
+    :meth:`release` (or, without reading a GPU, :meth:`hold_where` and :meth:`release_where`)
+    change a count, by one per slot given; a lookup's ``finish``/``unpin`` (which
     free the pins it used) put the counts of held slots back (``kernels.backend``). A held slot
     whose key is erased keeps its count (a key that reuses the slot is protected until those
     lookups end), and a release never lowers another lookup's count.
@@ -57,8 +58,17 @@ class HashIndex:
         self.pins = torch.full((n,), PIN_FREE, dtype=torch.int32, device=device)
         self.counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=device)
         self.counts[C_SIZE_DELTA] = int((self.digests >= 2).sum())  # a reopened store has rows
-        self.held = 0
-        """Slots held by lookups in flight (0: nothing to keep, the common case)."""
+        self._held = 0
+        self._held_on_device: torch.Tensor | None = None  # changes not read yet (hold_where)
+
+    @property
+    def held(self) -> int:
+        """Slots held by lookups in flight (0: nothing to keep, the common case); reads the
+        changes :meth:`hold_where` and :meth:`release_where` kept on the device."""
+        if self._held_on_device is not None:
+            self._held += int(self._held_on_device)
+            self._held_on_device = None
+        return self._held
 
     @property
     def num_slots(self) -> int:
@@ -88,7 +98,7 @@ class HashIndex:
         held = p <= PIN_LOCKED
         if not bool((held | (p == PIN_FREE)).all()):  # a lookup pin or a cached row: a bug
             raise AssertionError("hold of slots that are pinned")
-        self.held += slots.numel() - int(held.sum())
+        self._held += slots.numel() - int(held.sum())
         self.pins[slots] = torch.where(held, p - 1, PIN_LOCKED)
 
     def release(self, slots: torch.Tensor) -> None:
@@ -101,8 +111,37 @@ class HashIndex:
         if not bool((p <= PIN_LOCKED).all()):  # the caller's record and this index disagree
             raise AssertionError("release of slots that are not held")
         last = p == PIN_LOCKED
-        self.held -= int(last.sum())
+        self._held -= int(last.sum())
         self.pins[slots] = torch.where(last, PIN_FREE, p + 1)
+
+    # Without reading the device (a GPU keeps running): ``slots`` may hold -1 (no slot), the
+    # others distinct; the pins change through an accumulating indexed write (``put_where``'s
+    # rule) and the count of held slots on the device. Unchecked: the callers' records are
+    # the checked methods' own (``table.holds``).
+
+    def hold_where(self, slots: torch.Tensor) -> None:
+        """:meth:`hold` of the slots >= 0 among ``slots``."""
+        p, ok, at = self._pins_at(slots)
+        held = p <= PIN_LOCKED
+        self._pin_delta(at, torch.where(ok, torch.where(held, -1, PIN_LOCKED - p), 0),
+                        (ok & ~held).sum())
+
+    def release_where(self, slots: torch.Tensor) -> None:
+        """:meth:`release` of the slots >= 0 among ``slots``."""
+        p, ok, at = self._pins_at(slots)
+        last = p == PIN_LOCKED
+        self._pin_delta(at, torch.where(ok, torch.where(last, PIN_FREE - p, 1), 0),
+                        -(ok & last).sum())
+
+    def _pins_at(self, slots: torch.Tensor):
+        ok = slots >= 0
+        at = torch.where(ok, slots, 0)
+        return self.pins[at], ok, at
+
+    def _pin_delta(self, at: torch.Tensor, delta: torch.Tensor, count: torch.Tensor) -> None:
+        self.pins.index_put_((at,), delta.to(self.pins.dtype), accumulate=True)
+        pending = self._held_on_device
+        self._held_on_device = count if pending is None else pending + count
 
     def held_pins(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(slots, pins) of the held ones among ``slots`` (-1 allowed), for a lookup's

@@ -344,3 +344,26 @@ def test_a_batch_changed_to_hold_the_reserved_key_never_makes_it_a_row(on_full):
     else:
         ebc(batch)
         assert _stored(t) == [1] and t.stats().failed_inserts == 1
+
+
+def test_held_lookups_keep_their_rows_as_on_numba():
+    """Holds taken and released on the device (``HashIndex.hold_where``) against the checked
+    host path: the same rows survive later lookups, the same hold counts, the same pins."""
+    tables = [_table(be, score=dynemb.ScorePolicy.LFU, on_full=dynemb.OnFull.COUNT)
+              for be in ("numba", "triton")]
+    held = torch.arange(1, 21) * 7
+    for t in tables:
+        dev = t.device
+        lk1 = t.lookup(held.to(dev), train=True, hold=True)
+        lk2 = t.lookup(held[:5].to(dev), train=True, hold=True)  # five rows held twice
+        for step in range(6):  # a full table: every later key wants a victim
+            t.lookup((torch.arange(40) + 1000 * (step + 1)).to(dev), train=True)
+        assert t.held_rows() == 20
+        assert set(held.tolist()) <= set(_stored(t))
+        t.apply_gradients(lk1, torch.ones(lk1.unique_keys.numel(), 4, device=dev))
+        assert t.held_rows() == 5
+        t.release(lk2)
+        assert t.held_rows() == 0
+    a, b = tables
+    assert torch.equal(a.index.pins, b.index.pins.cpu())
+    assert _stored(a) == _stored(b) and a.stats() == b.stats()
