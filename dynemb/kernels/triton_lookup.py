@@ -83,14 +83,18 @@ def _last_of_slot(slots: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _compact(flags: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer (N + 1,), count on the device): ``values`` where ``flags``, in order, at the
-    buffer's start (cut to the count once it is read)."""
+def _compact(flags: torch.Tensor, *values: torch.Tensor) -> tuple[list[torch.Tensor],
+                                                                  torch.Tensor]:
+    """(a buffer (N + 1,) per tensor of ``values``, the count on the device): each tensor's
+    elements where ``flags``, in order, at its buffer's start (cut to the count once it is
+    read). One cumulative sum places them all."""
     n = flags.numel()
-    place = torch.cumsum(flags, 0) - 1
-    buf = torch.empty(n + 1, dtype=values.dtype, device=values.device)
-    buf.scatter_(0, torch.where(flags, place, n), values)
-    return buf, flags.sum()
+    at = torch.where(flags, torch.cumsum(flags, 0) - 1, n)
+    bufs = []
+    for v in values:
+        buf = torch.empty(n + 1, dtype=v.dtype, device=v.device)
+        bufs.append(buf.scatter_(0, at, v))
+    return bufs, flags.sum()
 
 
 def _number(slots: torch.Tensor, num_slots: int):
@@ -151,9 +155,8 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         slots = torch.where(hit, found, new)
         failed = fails.sum() + reserved.sum()
         nums_reserved = [reserved.sum()]
-        (ev_k, ev_n), (ev_s, _), (ev_sc, _) = (_compact(evicted, v) for v in (ev_keys, new,
-                                                                              ev_scores))
-        fresh, fresh_n = _compact(inserted, torch.arange(n, device=dev))
+        (ev_k, ev_s, ev_sc), ev_n = _compact(evicted, ev_keys, new, ev_scores)
+        (fresh,), fresh_n = _compact(inserted, torch.arange(n, device=dev))
     inverse, uslots, upos, u = _number(slots, ix.num_slots)
     away = ((uslots[:n] < 0) | (uslots[:n] >= hbm_rows)) & (torch.arange(n, device=dev) < u)
     nums = [u, ev_n, failed, away.sum(), *(c.sum() for c in counts), *nums_reserved]
