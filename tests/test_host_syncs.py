@@ -122,11 +122,19 @@ def _step_syncs(ebc, batch):
     return forward, backward
 
 
-@pytest.mark.parametrize(("score", "on_full"), [
-    (dynemb.ScorePolicy.LRU, dynemb.OnFull.COUNT), (dynemb.ScorePolicy.LFU, dynemb.OnFull.RAISE),
-    (dynemb.ScorePolicy.STEP, dynemb.OnFull.COUNT)])
-def test_an_hbm_only_step_waits_once_per_table_in_forward_and_never_in_backward(score, on_full):
-    ebc = _collection(dynemb.Storage(), score=score, on_full=on_full)
+HYBRID = dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.5)
+
+
+@pytest.mark.parametrize(("score", "on_full", "storage"), [
+    (dynemb.ScorePolicy.LRU, dynemb.OnFull.COUNT, dynemb.Storage()),
+    (dynemb.ScorePolicy.LFU, dynemb.OnFull.RAISE, dynemb.Storage()),
+    (dynemb.ScorePolicy.STEP, dynemb.OnFull.COUNT, dynemb.Storage()),
+    (dynemb.ScorePolicy.LRU, dynemb.OnFull.COUNT, HYBRID),
+    (dynemb.ScorePolicy.LFU, dynemb.OnFull.RAISE, HYBRID)], ids=["lru", "lfu", "step",
+                                                                   "hybrid-lru", "hybrid-lfu"])
+def test_a_step_waits_once_per_table_in_forward_and_never_in_backward(score, on_full, storage):
+    """HBM_ONLY, and HYBRID, whose kernels read and write ddr rows in place."""
+    ebc = _collection(storage, score=score, on_full=on_full)
     for seed in range(3):  # tables fill up and evict
         ebc(_batch(seed)).values().sum().backward()
     forward, backward = _step_syncs(ebc, _batch(9, weighted=True))
@@ -169,14 +177,12 @@ def test_counts_kept_on_the_device_are_read_by_stats():
     assert ebc.tables["t"].stats().nonfinite_grads == 1
 
 
-@pytest.mark.parametrize(("mode", "most"), [(dynemb.StorageMode.HYBRID, 24),
-                                            (dynemb.StorageMode.CACHING, 100)])
-def test_hybrid_and_caching_steps_wait_no_more_than_they_do_today(mode, most):
-    """Not at the target yet: a HYBRID table moves new and ddr rows through host-side masks, a
-    CACHING table resolves misses in its host backing store. Bounds that keep it from growing."""
-    ebc = _collection(dynemb.Storage(mode=mode, cache_load_factor=0.5))
+def test_a_caching_step_waits_no_more_than_it_does_today():
+    """Not at the target yet: a CACHING table resolves misses in its backing store's index, in
+    host memory. A bound that keeps it from growing."""
+    ebc = _collection(dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.5))
     for seed in range(3):
         ebc(_batch(seed)).values().sum().backward()
     forward, backward = _step_syncs(ebc, _batch(9))
-    assert forward.total <= most, forward
-    assert backward.total <= 8, backward
+    assert forward.total <= 90, forward
+    assert backward.total <= 6, backward

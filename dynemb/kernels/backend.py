@@ -90,6 +90,8 @@ class Resolved(NamedTuple):
     away: int | None = None
     """Entries without an hbm row (-1 or a ddr row), when the backend counted them (the triton
     lookup: the table then finds them without reading the device again)."""
+    rowless: int | None = None
+    """Entries without a row, counted with ``away``."""
     reserved: int = 0
     """Occurrences of the reserved empty key (a batch changed after it was checked; only the
     triton lookup, which does not check again, counts them): counted in ``failed``."""
@@ -396,6 +398,18 @@ class TritonBackend(TorchBackend):
 
     def erase(self, ix, keys):
         return ito.erase(ix, keys, slots=self._ix.probe(ix, keys.contiguous()))
+
+    # Rows by global row id over both tiers of a store (``RowStore.in_place``).
+    rows_in_place = True
+
+    def tier_gather(self, hbm, ddr, ids, ncols, out):
+        self._rows.gather_rows(hbm, ddr, ids.contiguous(), ncols, out)
+
+    def tier_scatter(self, hbm, ddr, ids, values, start):
+        self._rows.scatter_rows(hbm, ddr, ids.contiguous(), values, start)
+
+    def tier_copy(self, hbm, ddr, src, dst):
+        self._rows.copy_rows(hbm, ddr, src.contiguous(), dst.contiguous())
 
     def pool(self, *args):
         self._rows.pool(*args)

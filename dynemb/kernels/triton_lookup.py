@@ -122,14 +122,15 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
            hbm_rows: int):
     """``staged_lookup``'s :class:`~dynemb.kernels.backend.Resolved` (no admission) on the
     triton backend ``be`` with one read from the device; its ``away`` counts the entries
-    without an hbm row."""
+    without an hbm row, ``rowless`` those without a row."""
     from dynemb.kernels.backend import _EMPTY, Resolved, staged_lookup  # noqa: PLC0415
 
     n = keys.numel()
     dev = keys.device
     if n == 0:
-        return staged_lookup(be, ix, keys, custom, policy, step, touch=touch, insert=insert,
-                             atomic=atomic, admit=None, hbm_rows=hbm_rows)._replace(away=0)
+        none = staged_lookup(be, ix, keys, custom, policy, step, touch=touch, insert=insert,
+                             atomic=atomic, admit=None, hbm_rows=hbm_rows)
+        return none._replace(away=0, rowless=0)
     b, d, start = tix.hashes(ix, keys)
     prev = torch.empty_like(keys) if atomic and touch else None
     found = tix.probe(ix, keys, prev, hashed=(b, d))
@@ -158,19 +159,23 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         (ev_k, ev_s, ev_sc), ev_n = _compact(evicted, ev_keys, new, ev_scores)
         (fresh,), fresh_n = _compact(inserted, torch.arange(n, device=dev))
     inverse, uslots, upos, u = _number(slots, ix.num_slots)
-    away = ((uslots[:n] < 0) | (uslots[:n] >= hbm_rows)) & (torch.arange(n, device=dev) < u)
-    nums = [u, ev_n, failed, away.sum(), *(c.sum() for c in counts), *nums_reserved]
+    entry = torch.arange(n, device=dev) < u
+    rowless = (uslots[:n] < 0) & entry
+    away = rowless | ((uslots[:n] >= hbm_rows) & entry)
+    nums = [u, ev_n, failed, away.sum(), rowless.sum(), *(c.sum() for c in counts),
+            *nums_reserved]
     if fresh_n is not None:
         nums.append(fresh_n)
     got = torch.stack(nums).tolist()  # the one read of the call
-    n_u, n_ev, n_failed, n_away, tiers = got[0], got[1], got[2], got[3], got[4:8]
-    n_reserved = got[8] if insert else 0
+    n_u, n_ev, n_failed, n_away, n_rowless = got[:5]
+    tiers = got[5:9]
+    n_reserved = got[9] if insert else 0
     if insert and n_failed and atomic:  # nothing was inserted: undo the touches and pins
         if prev is not None:
             ix.scores.index_put_((found[hit],), prev[hit])
         _release_kernel[_grid(n)](found, ix.pins, n, BLOCK=_BLOCK)
         return Resolved(_EMPTY, _EMPTY, _EMPTY, slots, None, _EMPTY, (_EMPTY,) * 3, n_failed,
-                        tiers, None, None, n_reserved)
+                        tiers, None, reserved=n_reserved)
     if touch or insert:
         _release_kernel[_grid(n)](slots, ix.pins, n, BLOCK=_BLOCK)
     ev, fresh_out = (_EMPTY.to(dev),) * 3, _EMPTY.to(dev)
@@ -181,7 +186,7 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         c[C_FAILED] += failed
         c[C_SIZE_DELTA] += inserted.sum() - ev_n
         ev = (ev_k[:n_ev], ev_s[:n_ev], ev_sc[:n_ev])
-        fresh_out = fresh[:got[9]]
+        fresh_out = fresh[:got[10]]
     return Resolved(inverse, uslots[:n_u], upos[:n_u], slots, inserted, fresh_out, ev, n_failed,
-                    tiers, None, n_away, n_reserved)
+                    tiers, None, away=n_away, rowless=n_rowless, reserved=n_reserved)
 

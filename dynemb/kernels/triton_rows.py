@@ -10,6 +10,11 @@ optimizer updates, for CUDA tables: :mod:`dynemb.kernels.pooling_numba` and the 
   the numba kernel's: no atomics, the same result on every run.
 * Optimizers: one program per entry updates its row in place; distinct entries have distinct
   rows (a lookup's entries are its distinct slots), so programs never share a row.
+* Rows by global row id over both tiers (:func:`gather_rows`, :func:`scatter_rows`,
+  :func:`copy_rows`, and the optimizers given ``ddr``): a row id below ``split`` is an hbm row,
+  one above it a row of ``ddr``, host memory that a CUDA kernel reads and writes in place (page
+  locked and mapped at its own address: ``dynemb.table.pinned``). No mask of the ids is made,
+  so nothing waits for the device.
 
 Rows are float32. Where the arithmetic is the numba kernels' (the interpreter runs it in numpy)
 the results are bit-identical; compiled for a GPU, fused multiply-adds and a tree-shaped row sum
@@ -154,17 +159,82 @@ SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
 
 @jit
-def _update_kernel(rows_ptr, row_stride, slot_ptr, grads_ptr, n, dim, a, b, c, d, e,
-                   RULE: tl.constexpr, BLOCK: tl.constexpr):
-    """The row of entry ``u`` (slot >= 0) updated by ``RULE`` with scalars (a..e): SGD (lr, wd),
-    ADAGRAD (clr, eps, wd), ROWWISE_ADAGRAD (clr, eps, wd, 1 / dim), ADAM (step_size,
-    1 - beta1, 1 - beta2, eps, wd)."""
+def _row(hbm_ptr, ddr_ptr, split, stride, r):
+    """The address of global row ``r``: hbm row r below ``split``, else ddr row r - split."""
+    return tl.where(r < split, hbm_ptr + r * stride, ddr_ptr + (r - split) * stride)
+
+
+@jit
+def _rows_kernel(hbm_ptr, ddr_ptr, split, stride, src_ptr, dst_ptr, buf_ptr, buf_stride, ncols,
+                 start, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """For item ``u`` (skipped where a row id is -1), columns ``[start, start + ncols)``:
+    MODE 0 gathers row ``src[u]`` into ``buf[u]``; 1 scatters ``buf[u]`` into row ``dst[u]``;
+    2 copies row ``src[u]`` to row ``dst[u]``."""
+    u = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    inside = j < ncols
+    if MODE == 1:
+        r = tl.load(dst_ptr + u)
+        if r >= 0:
+            v = tl.load(buf_ptr + u * buf_stride + j, mask=inside)
+            tl.store(_row(hbm_ptr, ddr_ptr, split, stride, r) + start + j, v, mask=inside)
+    else:
+        r = tl.load(src_ptr + u)
+        if r >= 0:
+            v = tl.load(_row(hbm_ptr, ddr_ptr, split, stride, r) + start + j, mask=inside)
+            if MODE == 0:
+                tl.store(buf_ptr + u * buf_stride + j, v, mask=inside)
+            else:
+                d = tl.load(dst_ptr + u)
+                tl.store(_row(hbm_ptr, ddr_ptr, split, stride, d) + start + j, v,
+                         mask=inside & (d >= 0))
+
+
+def _tiers(hbm: torch.Tensor, ddr: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(ddr rows, split) for the kernels (without a ddr tier, ``hbm`` stands in: every valid
+    row id is below the split)."""
+    return (hbm if ddr is None else ddr), hbm.shape[0]
+
+
+def gather_rows(hbm, ddr, ids, ncols, out, start=0) -> None:
+    """``out[u, :ncols] = row(ids[u])[start:start + ncols]`` for ids >= 0 (``out`` (U, >= ncols),
+    rows contiguous); rows of -1 are left as they are."""
+    if ids.numel():
+        d, split = _tiers(hbm, ddr)
+        _rows_kernel[(ids.numel(),)](hbm, d, split, hbm.stride(0), ids, ids, out, out.stride(0),
+                                     ncols, start, MODE=0, BLOCK=_block(ncols))
+
+
+def scatter_rows(hbm, ddr, ids, values, start=0) -> None:
+    """``row(ids[u])[start:start + C] = values[u]`` for ids >= 0 (``values`` (U, C))."""
+    if ids.numel():
+        d, split = _tiers(hbm, ddr)
+        values = values.contiguous()
+        _rows_kernel[(ids.numel(),)](hbm, d, split, hbm.stride(0), ids, ids, values,
+                                     values.shape[1], values.shape[1], start, MODE=1,
+                                     BLOCK=_block(values.shape[1]))
+
+
+def copy_rows(hbm, ddr, src, dst) -> None:
+    """Row ``dst[u]`` = row ``src[u]`` (global row ids, distinct ``dst``) where both >= 0."""
+    if src.numel():
+        d, split = _tiers(hbm, ddr)
+        _rows_kernel[(src.numel(),)](hbm, d, split, hbm.stride(0), src, dst, hbm, 0,
+                                     hbm.shape[1], 0, MODE=2, BLOCK=_block(hbm.shape[1]))
+
+
+@jit
+def _update_kernel(rows_ptr, ddr_ptr, split, row_stride, slot_ptr, grads_ptr, n, dim, a, b, c,
+                   d, e, RULE: tl.constexpr, BLOCK: tl.constexpr):
+    """The row of entry ``u`` (global row id >= 0: see ``_row``) updated by ``RULE`` with
+    scalars (a..e): SGD (lr, wd), ADAGRAD (clr, eps, wd), ROWWISE_ADAGRAD (clr, eps, wd,
+    1 / dim), ADAM (step_size, 1 - beta1, 1 - beta2, eps, wd)."""
     u = tl.program_id(0)
     s = tl.load(slot_ptr + u)
     if s >= 0:
         j = tl.arange(0, BLOCK)
         inside = j < dim
-        row = rows_ptr + s * row_stride
+        row = _row(rows_ptr, ddr_ptr, split, row_stride, s)
         w = tl.load(row + j, mask=inside, other=0.0)
         gu = tl.load(grads_ptr + u * dim + j, mask=inside, other=0.0)
         if RULE == 0:
@@ -195,10 +265,11 @@ RULES = {"sgd": SGD, "adagrad": ADAGRAD, "rowwise_adagrad": ROWWISE_ADAGRAD, "ad
 
 
 def optimizer(name: str):
-    """``rows_numba.<name>`` as a Triton launch: ``run(rows, slots, grads, *scalars)``."""
+    """``rows_numba.<name>`` as a Triton launch: ``run(rows, slots, grads, *scalars, ddr=None)``
+    (with ``ddr``, slots are global row ids over ``rows`` (hbm) and ``ddr``)."""
     rule = RULES[name]
 
-    def run(rows, slots, grads, *scalars):
+    def run(rows, slots, grads, *scalars, ddr=None):
         n = slots.numel()
         if n == 0:
             return
@@ -209,7 +280,8 @@ def optimizer(name: str):
         elif rule == ROWWISE_ADAGRAD:
             args.append(1.0 / dim)
         args += [0.0] * (5 - len(args))
-        _update_kernel[(n,)](rows, rows.stride(0), slots, grads.contiguous(), n, dim, *args,
-                             RULE=rule, BLOCK=_block(dim))
+        far, split = _tiers(rows, ddr)
+        _update_kernel[(n,)](rows, far, split, rows.stride(0), slots, grads.contiguous(), n, dim,
+                             *args, RULE=rule, BLOCK=_block(dim))
 
     return run

@@ -37,7 +37,7 @@ from dynemb.config import ScorePolicy, TableConfig
 from dynemb.errors import ConfigError
 from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import C_EVICTED, P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
-from dynemb.kernels.index_torch import dedup
+from dynemb.kernels.index_torch import dedup, put_where
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.index import HashIndex
 from dynemb.table.lifecycle import RowLifecycle
@@ -195,15 +195,18 @@ class CachedResolver(Resolver):
                 rid = cs.clone()
                 served = bs.to(self.device)[away]
                 rid[miss[away]] = torch.where(served >= 0, served + self.row_offset, -1)
+        away = None  # (counted where every entry is cached: none away)
         if rid is cs:
             inverse, unique_rids, unique_pos = cx.backend.finish(cx, cs)
+            away = 0
         else:  # some entries live in the backing store: number them by global row id
             cx.backend.unpin(cx, cs)
             inverse, unique_rids, unique_pos = dedup(rid)
         if failed:
             self.on_full(failed)
         return Lookup(unique_keys=keys[unique_pos], unique_slots=unique_rids,
-                      inverse=inverse, inserted=inserted, evicted=evicted, epoch=self.state.epoch)
+                      inverse=inverse, inserted=inserted, evicted=evicted, epoch=self.state.epoch,
+                      away=away, rowless=away)
 
     def _fetch(self, mkeys: torch.Tensor, bs: torch.Tensor, existed: torch.Tensor,
                base: torch.Tensor, mcustom: torch.Tensor, *, lookup: bool) -> torch.Tensor:
@@ -272,12 +275,21 @@ class CachedResolver(Resolver):
             self.state.counters["write_backs"] += d.numel()
         return d.numel()
 
-    def mark_written(self, rids: torch.Tensor) -> None:
+    def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         """Rows ``rids`` (-1 for none) were written at the table's step: cached ones become
-        dirty."""
-        rids = rids[rids >= 0]
+        dirty. ``cached_only``: every row is a cached row (or -1), as in a lookup that counted
+        no entry away from hbm: marked on the device, without reading it."""
         step, stamp = self.state.step, self.state.score == ScorePolicy.STEP
         self.unflushed = True
+        if cached_only:
+            ok = rids >= 0  # (an amax leaves the flags of the others as they are)
+            self.dirty.view(torch.uint8).scatter_reduce_(0, torch.where(ok, rids, 0),
+                                                         ok.to(torch.uint8), "amax")
+            put_where(self.index.written, rids, step)
+            if stamp:
+                put_where(self.index.scores, rids, step)
+            return
+        rids = rids[rids >= 0]
         cached = rids < self.row_offset
         c = rids[cached]
         self.dirty[c] = True

@@ -87,13 +87,21 @@ class RowLifecycle:
                         self.config.initializer, self.init_mix)
         ix.written[slots] = self.state.step
 
-    def values(self, keys: torch.Tensor, rids: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def values(self, keys: torch.Tensor, rids: torch.Tensor, out: torch.Tensor | None = None, *,
+               rowless: int | None = None) -> torch.Tensor:
         """(N, dim) float32: the embedding of each global row id ``rids`` (N,), or for -1 the
-        eval-initializer row of its key ``keys`` (N,); written into ``out`` when given."""
+        eval-initializer row of its key ``keys`` (N,); written into ``out`` when given.
+        ``rowless``: how many ``rids`` are -1, when known: then nothing is read back from the
+        device (with some, every row is eval-initialised and the rows that exist gathered over
+        them)."""
         dim = self.config.dim
         if out is None:
             out = torch.empty(keys.numel(), dim, dtype=torch.float32, device=self.device)
+        if rowless is not None:
+            if rowless:
+                self.eval_rows(keys, out)
+            self.store.gather(rids, dim, out)
+            return out
         self.store.gather(rids, dim, out)
         missing = torch.nonzero(rids < 0).flatten()
         if missing.numel():

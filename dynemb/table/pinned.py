@@ -12,6 +12,7 @@ unified addressing registered memory is also mapped: GPU kernels can read it in 
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import torch
@@ -21,6 +22,7 @@ from dynemb.errors import ConfigError
 
 CHUNK_BYTES = 1 << 30
 """Bytes page-locked per ``cudaHostRegister`` call."""
+_DEVICE_POINTER = 2  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
 _BAR_CHUNKS = 8  # a tier of more chunks than this shows a progress bar while it locks
 
 
@@ -58,3 +60,25 @@ def pinned_zeros(rows: int, width: int, *, owner: object, name: str,
     done = weakref.finalize(owner, _unregister, runtime, ptrs, out)
     done.atexit = False  # a process that exits gives all its memory back
     return out
+
+
+def mapped_in_place(rows: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES, driver=None) -> bool:
+    """Whether GPU kernels can read and write ``rows`` (from :func:`pinned_zeros`, same
+    ``chunk_bytes``) at its own addresses: every chunk is mapped for the device at its host
+    address (unified addressing, where the driver maps registered memory at the host pointer:
+    64-bit Linux on current GPUs), so the chunks stay one contiguous tensor to a kernel. False
+    otherwise; the table then copies ddr rows through staging buffers. ``driver``: the CUDA
+    driver library (``libcuda``; tests pass a stand-in)."""
+    if driver is None:
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return False
+    base, nbytes = rows.data_ptr(), rows.numel() * rows.element_size()
+    for off in range(0, nbytes, chunk_bytes):
+        dev = ctypes.c_uint64(0)
+        err = driver.cuPointerGetAttribute(ctypes.byref(dev), _DEVICE_POINTER,
+                                           ctypes.c_uint64(base + off))
+        if int(err) != 0 or dev.value != base + off:
+            return False
+    return True

@@ -75,9 +75,10 @@ class Resolver(Holding):
         """Global row id of each key (N,) or -1, touching nothing."""
         raise NotImplementedError
 
-    def mark_written(self, rids: torch.Tensor) -> None:
+    def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         """Rows ``rids`` (distinct; -1 for none) were written at the current step: their write
-        step, a STEP score (and a cached row's dirty flag)."""
+        step, a STEP score (and a cached row's dirty flag). ``cached_only``: every row is an
+        hbm row or -1 (``Lookup.away`` 0)."""
         raise NotImplementedError
 
     def flush(self) -> int:
@@ -185,12 +186,12 @@ class SingleIndexResolver(Resolver):
             self.on_full(r.failed)
         return Lookup(unique_keys=keys[r.unique_pos], unique_slots=r.unique_slots,
                       inverse=r.inverse, inserted=r.inserted, evicted=evicted,
-                      epoch=self.state.epoch, away=r.away)
+                      epoch=self.state.epoch, away=r.away, rowless=r.rowless)
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         return self.table_index.find(keys)
 
-    def mark_written(self, rids: torch.Tensor) -> None:
+    def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         ix, step = self.table_index, self.state.step
         put_where(ix.written, rids, step)
         if self.state.score == ScorePolicy.STEP:

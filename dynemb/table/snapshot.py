@@ -78,7 +78,7 @@ def arrays(table: DynamicTable) -> dict[str, torch.Tensor]:
            for a in INDEX_ARRAYS}
     out["rows.hbm"] = table.store.hbm
     if table.store.ddr is not None:
-        out["rows.ddr"] = table.store.ddr
+        out["rows.ddr"] = table.store.settled_ddr()
     if table.cache is not None:
         out["cache.home"], out["cache.dirty"] = table.cache.home, table.cache.dirty
     return out

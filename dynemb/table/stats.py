@@ -29,6 +29,8 @@ class Lookup:
     away: int | None = None
     """Entries without an hbm row (-1 or a ddr row), when the lookup counted them (the triton
     backend's): ``DynamicTable.sources`` then finds them without reading the device."""
+    rowless: int | None = None
+    """Entries without a row (-1), when the lookup counted them (as ``away``)."""
     held: bool = False
     """True while the lookup holds its rows (``lookup(hold=True)``, until ``release`` or
     ``apply_gradients``): no later call evicts them."""

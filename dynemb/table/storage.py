@@ -3,8 +3,14 @@
 Rows are ``[embedding (dim) | optimizer state]`` float32, addressed by global row ids: ids
 ``[0, hbm_rows)`` live in the hbm tensor (on the table's device), ids ``[hbm_rows, hbm_rows +
 ddr_rows)`` in the ddr tensor (host memory: pinned for a CUDA table, or a memory-mapped file of
-a :class:`~dynemb.table.ddr_files.DdrFiles` store). The kernels of each tier run where its
-tensor lives.
+a :class:`~dynemb.table.ddr_files.DdrFiles` store).
+
+Where the backend's kernels address both tiers by global row id (``in_place``: the triton
+backend, with a ddr tier that is page-locked and mapped at its own address, or on CPU), every
+method is one kernel over the ids and nothing waits for the device; a CUDA kernel then reads
+and writes ddr rows in host memory directly. Otherwise the ids are split by tier with masks and
+the kernels of each tier run where its tensor lives (host rows of a CUDA table are copied
+through pinned staging buffers).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 
 from dynemb.kernels.backend import NUMBA
 from dynemb.table.ddr_files import DdrFiles, ddr_file_bytes
-from dynemb.table.pinned import pinned_zeros
+from dynemb.table.pinned import mapped_in_place, pinned_zeros
 
 __all__ = ["DdrFiles", "RowStore", "ddr_file_bytes"]
 
@@ -31,7 +37,7 @@ class RowStore:
         name: the table's name (for errors).
 
     ``hbm`` is made once and never replaced (a restore copies into it): a collection's grouped
-    kernels read it by address (``dynemb.nn.grouped``).
+    kernels read it by address (``dynemb.nn.grouped``). ``in_place``: see the module docstring.
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, dim: int, width: int, device: torch.device,
@@ -48,12 +54,30 @@ class RowStore:
             self.ddr = pinned_zeros(ddr_rows, width, owner=self, name=name)
         elif ddr_rows:
             self.ddr = torch.zeros(ddr_rows, width, dtype=torch.float32)
+        self.in_place = getattr(backend, "rows_in_place", False) and (
+            self.ddr is None or device.type == "cpu"
+            or (files is None and mapped_in_place(self.ddr)))
+
+    def optimizer(self, name: str):
+        """(``in_place``) The backend's update ``name`` over both tiers: ``parts`` hands this
+        store to ``RowOptimizer.apply`` as the backend of its one part."""
+        run = self.backend.optimizer(name)
+        return lambda rows, slots, grads, *args: run(rows, slots, grads, *args, ddr=self.ddr)
+
+    def settled_ddr(self) -> torch.Tensor | None:
+        """The ddr rows, for the host to read or write, once the kernels queued on the device
+        that read or write them in place have finished."""
+        if self.in_place and self.ddr is not None and self.hbm.device.type == "cuda":
+            torch.cuda.synchronize(self.hbm.device)
+        return self.ddr
 
     def parts(self, ids: torch.Tensor) -> list[tuple]:
         """``(backend, rows, slots)`` per tier for ids (U,) (-1 allowed): each tier's slots
         hold its own row numbers, -1 for ids elsewhere."""
         if self.ddr is None:
             return [(self.backend, self.hbm, ids)]
+        if self.in_place:  # one part: the update addresses both tiers
+            return [(self, self.hbm, ids)]
         in_ddr = ids >= self.split
         hbm = torch.where(in_ddr, -1, ids)
         ddr = torch.where(in_ddr, ids - self.split, -1).to(self.ddr.device)
@@ -61,6 +85,9 @@ class RowStore:
 
     def gather(self, ids: torch.Tensor, ncols: int, out: torch.Tensor) -> None:
         """``out[u, :ncols] = row(ids[u])[:ncols]`` for ids >= 0 (others are left as they are)."""
+        if self.in_place:
+            self.backend.tier_gather(self.hbm, self.ddr, ids.to(self.hbm.device), ncols, out)
+            return
         for be, rows, slots in self.parts(ids):
             if rows.device == out.device:
                 be.gather(rows, slots, ncols, out)
@@ -79,6 +106,10 @@ class RowStore:
 
     def write(self, ids: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
         """``row(ids[n])[start:start + values.shape[1]] = values[n]`` (ids all >= 0)."""
+        if self.in_place:
+            self.backend.tier_scatter(self.hbm, self.ddr, ids.to(self.hbm.device),
+                                      values.to(self.hbm), start)
+            return
         stop = start + values.shape[1]
         for _, rows, slots in self.parts(ids):
             ok = slots >= 0
@@ -89,6 +120,11 @@ class RowStore:
 
     def fetch(self, ddr_rows: torch.Tensor, hbm_rows: torch.Tensor) -> None:
         """Copies ddr rows ``ddr_rows`` (K,) (ddr row numbers) to hbm rows ``hbm_rows`` (K,)."""
+        if self.in_place:
+            dev = self.hbm.device
+            self.backend.tier_copy(self.hbm, self.ddr, ddr_rows.to(dev) + self.split,
+                                   hbm_rows.to(dev))
+            return
         if self.hbm.device == self.ddr.device:
             self.ddr_backend.copy_rows(self.ddr, ddr_rows, self.hbm, hbm_rows)
             return
@@ -116,6 +152,11 @@ class RowStore:
 
     def store_back(self, hbm_rows: torch.Tensor, ddr_rows: torch.Tensor) -> None:
         """Copies hbm rows ``hbm_rows`` (K,) to ddr rows ``ddr_rows`` (K,) (ddr row numbers)."""
+        if self.in_place:
+            dev = self.hbm.device
+            self.backend.tier_copy(self.hbm, self.ddr, hbm_rows.to(dev),
+                                   ddr_rows.to(dev) + self.split)
+            return
         if self.hbm.device == self.ddr.device:
             self.ddr_backend.copy_rows(self.hbm, hbm_rows, self.ddr, ddr_rows)
             return
@@ -125,6 +166,13 @@ class RowStore:
     def init(self, ids: torch.Tensor, keys: torch.Tensor, state_value: float, init,
              table_mix: int) -> None:
         """Initial rows for ``keys`` (N,) at ``ids`` (N,) (all >= 0)."""
+        if self.in_place and self.ddr is not None:  # made on the device, then put in place
+            dev = self.hbm.device
+            rows = torch.empty(keys.numel(), self.width, dtype=torch.float32, device=dev)
+            self.backend.init_rows(rows, torch.arange(keys.numel(), device=dev), keys.to(dev),
+                                   self.dim, state_value, init, table_mix)
+            self.write(ids, rows)
+            return
         for be, rows, slots in self.parts(ids):
             ok = slots >= 0
             if self.ddr is None:

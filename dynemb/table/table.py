@@ -370,7 +370,8 @@ class DynamicTable(TableChecks, TableReports):
             if self.store.ddr is None:  # no row: the eval initializer's
                 self.life.eval_rows(lk.unique_keys[away], extra)
             else:
-                self.life.values(lk.unique_keys[away], rids[away], extra)
+                self.life.values(lk.unique_keys[away], rids[away], extra,
+                                 rowless=None if counted is None else lk.rowless)
             src = rids.clone()
             src[away] = -1 - torch.arange(away.numel(), device=self.device)
         return src, extra
@@ -383,7 +384,8 @@ class DynamicTable(TableChecks, TableReports):
             return lk.unique_slots
         now = torch.where(lk.unique_slots >= 0, self.locate(lk.unique_keys), -1)
         st.count_on_device("stale_updates", ((lk.unique_slots >= 0) & (now < 0)).sum())
-        lk.unique_slots, lk.epoch, lk.away = now, st.epoch, None  # (no longer counted)
+        lk.unique_slots, lk.epoch = now, st.epoch
+        lk.away = lk.rowless = None  # (no longer counted)
         return now
 
     @writes
@@ -420,7 +422,7 @@ class DynamicTable(TableChecks, TableReports):
                     "non-finite (a lower learning rate often helps), or choose nonfinite='skip' "
                     "to skip such rows and count them.")
         self.optimizer.apply(self.store.parts(rids), grads, clip=clip)
-        self.resolver.mark_written(rids)
+        self.resolver.mark_written(rids, cached_only=lk.away == 0)
 
     def _device_gradient_rows(self, lk: Lookup, grads: torch.Tensor) -> torch.Tensor:
         """:meth:`gradient_rows` without reading the device (SKIP and APPLY): the rows with NaN

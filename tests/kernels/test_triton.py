@@ -250,6 +250,58 @@ def test_optimizer_updates_match_numba(name, dim):
         _close(dout, out)
 
 
+def _tier_ids(hbm_rows: int, ddr_rows: int, n: int, seed: int) -> torch.Tensor:
+    """n distinct global row ids over both tiers, and some -1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(hbm_rows + ddr_rows, generator=g)[:n]
+    return torch.where(torch.rand(n, generator=g) < 0.2, -1, ids)
+
+
+@pytest.mark.parametrize("ddr_rows", [0, 9])
+def test_rows_by_global_id_over_both_tiers_match_indexing(ddr_rows):
+    """gather, scatter and copy by global row id (``RowStore.in_place``): below the split an
+    hbm row, above it a ddr row; -1 left alone."""
+    from dynemb.kernels import triton_rows as tr
+
+    g = torch.Generator().manual_seed(ddr_rows)
+    hbm, ddr = torch.rand(7, 5, generator=g), torch.rand(ddr_rows, 5, generator=g)
+    both = torch.cat([hbm, ddr])
+    dhbm, dddr = hbm.to(DEV), (ddr if DEV.type == "cpu" else ddr.pin_memory())
+    far = dddr if ddr_rows else None
+    ids = _tier_ids(7, ddr_rows, 6, 1)
+    ok = ids >= 0
+    out = torch.full((6, 8), -3.0, device=DEV)  # a wider out: its row stride is used
+    tr.gather_rows(dhbm, far, ids.to(DEV), 4, out, start=1)
+    want = torch.full((6, 8), -3.0)
+    want[ok, :4] = both[ids[ok], 1:5]
+    assert torch.equal(out.cpu(), want)
+
+    values = torch.rand(6, 3, generator=g)
+    tr.scatter_rows(dhbm, far, ids.to(DEV), values.to(DEV), start=2)
+    both[ids[ok], 2:5] = values[ok]
+    src, dst = _tier_ids(7, ddr_rows, 4, 2), _tier_ids(7, ddr_rows, 4, 3)
+    tr.copy_rows(dhbm, far, src.to(DEV), dst.to(DEV))
+    both[dst[(src >= 0) & (dst >= 0)]] = both[src[(src >= 0) & (dst >= 0)]]
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dhbm.cpu(), both[:7]) and torch.equal(dddr, both[7:])
+
+
+def test_optimizer_updates_rows_in_either_tier_in_place():
+    g = torch.Generator().manual_seed(0)
+    hbm, ddr = torch.rand(6, 12, generator=g), torch.rand(5, 12, generator=g)
+    ids = torch.tensor([7, -1, 0, 10, 5, 6])
+    grads = torch.randn(ids.numel(), 4, generator=g)
+    both = torch.cat([hbm, ddr])
+    NUMBA.optimizer("adam")(both, ids, grads, *OPTIMIZERS["adam"])
+    dhbm, dddr = hbm.to(DEV), (ddr if DEV.type == "cpu" else ddr.pin_memory())
+    _triton().optimizer("adam")(dhbm, ids.to(DEV), grads.to(DEV), *OPTIMIZERS["adam"], ddr=dddr)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    _close(dhbm, both[:6])
+    _close(dddr, both[6:])
+
+
 def _collection(backend, optimizer, storage):
     cfgs = [dynemb.TableConfig(name="t", dim=8, features=["a", "b"], capacity=64,
                                bucket_capacity=8, optimizer=optimizer, storage=storage,
@@ -288,7 +340,16 @@ def test_a_collection_trains_on_triton_as_on_numba(optimizer, storage):
         assert torch.equal(a.index.keys, b.index.keys.cpu())
         assert a.stats() == b.stats()
         torch.testing.assert_close(b.rows.cpu(), a.rows, rtol=1e-6, atol=1e-6)
+        if a.store.ddr is not None:
+            assert b.store.in_place  # (the kernels address both tiers)
+            torch.testing.assert_close(b.store.settled_ddr(), a.store.ddr, rtol=1e-6, atol=1e-6)
     assert sum(c.tables["t"].stats().evicted for c in cols[:1]) > 0  # the tables were full
+    evals = [c.eval() for c in cols]  # rows without a row get the eval initializer
+    batch = dynemb.SparseBatch(features=["a", "b", "c"], values=torch.arange(9) * 1013,
+                               lengths=torch.ones(18, dtype=torch.int64).index_fill_(
+                                   0, torch.arange(9), 0))
+    outs = [c(batch.to(c.device)).values() for c in evals]
+    torch.testing.assert_close(outs[1].cpu(), outs[0], rtol=1e-6, atol=1e-6)
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):

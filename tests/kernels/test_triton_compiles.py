@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
                      {"TKIND": tkind, "BLOCK": 128})
     compile_(tlk._release_kernel, {"pins_ptr": i32}, {"BLOCK": 128})
     floats = {k: f32 for k in ("rows_ptr", "extra_ptr", "w_ptr", "out_ptr", "gout_ptr",
-                               "grads_ptr", "wgrad_ptr")}
+                               "grads_ptr", "wgrad_ptr", "hbm_ptr", "ddr_ptr", "buf_ptr")}
     for mean, weighted in itertools.product((False, True), repeat=2):
         flags = {"MEAN": mean, "WEIGHTED": weighted, "BLOCK": 16}
         compile_(tr._pool_kernel, floats, flags)
@@ -68,6 +68,10 @@ SCRIPT = textwrap.dedent('''
     for rule in range(4):
         compile_(tr._update_kernel, {**floats, **{k: "fp32" for k in "abcde"}},
                  {"RULE": rule, "BLOCK": 128})
+    for mode in range(3):
+        compile_(tr._rows_kernel, floats, {"MODE": mode, "BLOCK": 128})
+        compile_(tr._rows_kernel, {**floats, "split": "i64"}, {"MODE": mode, "BLOCK": 16},
+                 ("start",))
     print("\\n".join(failed) or "all compiled")
     raise SystemExit(1 if failed else 0)
 ''')

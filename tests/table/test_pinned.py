@@ -12,7 +12,7 @@ import gc
 import pytest
 
 from dynemb.errors import ConfigError
-from dynemb.table.pinned import pinned_zeros
+from dynemb.table.pinned import mapped_in_place, pinned_zeros
 
 
 class Runtime:
@@ -62,3 +62,29 @@ def test_a_failure_part_way_unlocks_what_was_locked_and_names_the_table():
     with pytest.raises(ConfigError, match="table 'big'.*cudaHostRegister"):
         pinned_zeros(1000, 8, owner=Owner(), name="big", chunk_bytes=4096, runtime=rt)
     assert rt.calls == 3 and rt.locked == {}
+
+
+class Driver:
+    """``cuPointerGetAttribute`` of the CUDA driver: the device address of each registered chunk
+    (``shift`` moves the chunks from ``moved`` on to another address, as a driver that cannot
+    use host pointers would)."""
+
+    def __init__(self, shift: int = 0, moved: int = 0) -> None:
+        self.asked: list[int] = []
+        self.shift, self.moved = shift, moved
+
+    def cuPointerGetAttribute(self, out, attribute, ptr) -> int:  # noqa: N802
+        assert attribute == 2  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        self.asked.append(ptr.value)
+        out._obj.value = ptr.value + (self.shift if len(self.asked) > self.moved else 0)
+        return 0
+
+
+def test_rows_are_used_in_place_only_where_every_chunk_is_mapped_at_its_own_address():
+    owner = Owner()
+    t = pinned_zeros(1000, 8, owner=owner, name="t", chunk_bytes=4096, runtime=Runtime())
+    drv = Driver()
+    assert mapped_in_place(t, chunk_bytes=4096, driver=drv)
+    assert drv.asked == list(range(t.data_ptr(), t.data_ptr() + 32000, 4096))  # every chunk
+    assert not mapped_in_place(t, chunk_bytes=4096, driver=Driver(shift=64, moved=3))
+    assert not mapped_in_place(t, chunk_bytes=4096, driver=Driver(shift=64))
