@@ -72,3 +72,42 @@ def test_cuda_tables_match_cpu(optimizer, storage, backend):
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(eb.scores.cpu()[ob], ea.scores[oa])
         assert a.stats().admission_rejected == b.stats().admission_rejected
+
+
+@pytest.mark.parametrize("storage", [
+    dynemb.Storage(),
+    dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3),
+    dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.3)],
+    ids=["hbm_only", "hybrid", "caching"])
+def test_a_cuda_step_synchronises_once_per_table_in_forward_and_never_in_backward(storage):
+    """torch's own count of the calls that wait for the GPU (``set_sync_debug_mode``): the one
+    read per table and lookup (``tests/test_host_syncs.py`` models this on the CPU)."""
+    import warnings  # noqa: PLC0415
+
+    cfgs = [dynemb.TableConfig(name=n, dim=8, features=[f], capacity=1 << 12, storage=storage,
+                               optimizer=dynemb.Adam(lr=0.01)) for n, f in (("t", "a"), ("u", "b"))]
+    ebc = dynemb.EmbeddingBagCollection(cfgs, device="cuda")
+    g = torch.Generator().manual_seed(0)
+
+    def batch():
+        values = torch.randint(0, 1 << 13, (2 * 64,), generator=g)
+        return dynemb.SparseBatch(features=["a", "b"], values=values,
+                                  lengths=torch.ones(2 * 64, dtype=torch.int64)).to("cuda")
+
+    for _ in range(4):  # the tables fill (CACHING: its cache evicts)
+        ebc(batch()).values().sum().backward()
+    b = batch()
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as forward:
+            warnings.simplefilter("always")
+            out = ebc(b).values()
+        with warnings.catch_warnings(record=True) as backward:
+            warnings.simplefilter("always")
+            out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    waits = [str(w.message) for w in forward if "synchroniz" in str(w.message)]
+    assert len(waits) <= 2, waits
+    assert not [w for w in backward if "synchroniz" in str(w.message)]

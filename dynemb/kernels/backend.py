@@ -95,6 +95,8 @@ class Resolved(NamedTuple):
     reserved: int = 0
     """Occurrences of the reserved empty key (a batch changed after it was checked; only the
     triton lookup, which does not check again, counts them): counted in ``failed``."""
+    carried: tuple | None = None
+    """What the triton lookup's caller asked to bring back with its one read (``carry``)."""
 
 
 Admit = Callable[[torch.Tensor], torch.Tensor]
@@ -374,15 +376,17 @@ class TritonBackend(TorchBackend):
         return ito.find_pass(ix, keys, custom, policy, step, touch, pin, prev,
                              slots=self._ix.probe(ix, keys))
 
-    def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows):
-        """One read from the device per call (``kernels.triton_lookup``); with admission,
-        which judges misses on the host, the staged steps."""
+    def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows,
+               **once):
+        """One read from the device per call (``kernels.triton_lookup``; ``once``: its
+        keywords for a caller that finishes the call); with admission, which judges misses on
+        the host, the staged steps."""
         keys, custom = keys.contiguous(), custom.contiguous()
         if admit is not None:
             return super().lookup(ix, keys, custom, policy, step, touch=touch, insert=insert,
                                   atomic=atomic, admit=admit, hbm_rows=hbm_rows)
         return self._lookup.lookup(self, ix, keys, custom, policy, step, touch=touch,
-                                   insert=insert, atomic=atomic, hbm_rows=hbm_rows)
+                                   insert=insert, atomic=atomic, hbm_rows=hbm_rows, **once)
 
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         slots, inserted, evicted, ev_keys, ev_scores, failed = self._ix.insert(
@@ -398,6 +402,9 @@ class TritonBackend(TorchBackend):
 
     def erase(self, ix, keys):
         return ito.erase(ix, keys, slots=self._ix.probe(ix, keys.contiguous()))
+
+    def unpin(self, ix, slots):
+        self._lookup.release(ix, slots.contiguous())  # (frees the call's pins only: no read)
 
     # Rows by global row id over both tiers of a store (``RowStore.in_place``).
     rows_in_place = True

@@ -230,3 +230,34 @@ def erase(ix, keys: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Te
     ix.scores[hit] = 0
     ix.counts[C_SIZE_DELTA] -= hit.numel()
     return slots
+
+
+def compact(flags: torch.Tensor, *values: torch.Tensor) -> tuple[list[torch.Tensor],
+                                                                 torch.Tensor]:
+    """(a buffer (N + 1,) per tensor of ``values``, the count on the device): each tensor's
+    elements where ``flags``, in order, at its buffer's start (cut to the count once it is
+    read). One cumulative sum places them all."""
+    n = flags.numel()
+    at = torch.where(flags, torch.cumsum(flags, 0) - 1, n)
+    bufs = []
+    for v in values:
+        buf = torch.empty(n + 1, dtype=v.dtype, device=v.device)
+        bufs.append(buf.scatter_(0, at, v))
+    return bufs, flags.sum()
+
+
+def number_by_key(keys: torch.Tensor, slots: torch.Tensor):
+    """:func:`_number` with one entry per distinct key, ascending (its occurrences share a
+    slot, or all have none), for a caller that gives entries their rows later."""
+    n = keys.numel()
+    dev = keys.device
+    sk, perm = torch.sort(keys, stable=True)
+    new = torch.ones(n, dtype=torch.bool, device=dev)
+    new[1:] = sk[1:] != sk[:-1]
+    entry = torch.cumsum(new, 0) - 1
+    inverse = torch.empty_like(entry)
+    inverse[perm] = entry
+    at = torch.where(new, entry, n)
+    uslots = torch.empty(n + 1, dtype=torch.int64, device=dev).scatter_(0, at, slots[perm])
+    upos = torch.empty(n + 1, dtype=torch.int64, device=dev).scatter_(0, at, perm)
+    return inverse, uslots, upos, new.sum()

@@ -26,6 +26,7 @@ import torch
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels import triton_index as tix
+from dynemb.kernels.index_torch import compact, number_by_key
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION,
 )
@@ -83,20 +84,6 @@ def _last_of_slot(slots: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _compact(flags: torch.Tensor, *values: torch.Tensor) -> tuple[list[torch.Tensor],
-                                                                  torch.Tensor]:
-    """(a buffer (N + 1,) per tensor of ``values``, the count on the device): each tensor's
-    elements where ``flags``, in order, at its buffer's start (cut to the count once it is
-    read). One cumulative sum places them all."""
-    n = flags.numel()
-    at = torch.where(flags, torch.cumsum(flags, 0) - 1, n)
-    bufs = []
-    for v in values:
-        buf = torch.empty(n + 1, dtype=v.dtype, device=v.device)
-        bufs.append(buf.scatter_(0, at, v))
-    return bufs, flags.sum()
-
-
 def _number(slots: torch.Tensor, num_slots: int):
     """Entries of the call's slots: (inverse (N,), unique slots and first occurrences as
     (N + 1,) buffers, U on the device). Distinct slots ascending, then each occurrence without
@@ -118,11 +105,34 @@ def _number(slots: torch.Tensor, num_slots: int):
     return inverse, uslots, upos, new.sum()
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to host memory without waiting (page-locked, on the current stream): read
+    it only after a later read from the device has returned."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def release(ix, slots: torch.Tensor) -> None:
+    """Frees the pins a call left on ``slots`` (N,) of ``ix`` (``lookup(release=False)``)."""
+    if slots.numel():
+        _release_kernel[_grid(slots.numel())](slots, ix.pins, slots.numel(), BLOCK=_BLOCK)
+
+
 def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, atomic: bool,
-           hbm_rows: int):
+           hbm_rows: int, prev: torch.Tensor | None = None, release_pins: bool = True,
+           carry=None):
     """``staged_lookup``'s :class:`~dynemb.kernels.backend.Resolved` (no admission) on the
     triton backend ``be`` with one read from the device; its ``away`` counts the entries
-    without an hbm row, ``rowless`` those without a row."""
+    without an hbm row, ``rowless`` those without a row.
+
+    For a caller that finishes the call's work itself (a CACHING table's cache): ``prev``, a
+    journal of the scores the call touches; ``release_pins=False`` leaves the call's slots
+    pinned (:func:`release` frees them); ``carry(slots, hit, ins)`` (``ins``: the insert's
+    ``(new, inserted, evicted, evicted scores)``, or None) returns (N + 1)-long int64 buffers
+    and their counts, brought to the host with the one read (``Resolved.carried``: the
+    buffers stacked, and the counts); entries are then numbered by key."""
     from dynemb.kernels.backend import _EMPTY, Resolved, staged_lookup  # noqa: PLC0415
 
     n = keys.numel()
@@ -132,7 +142,8 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
                              atomic=atomic, admit=None, hbm_rows=hbm_rows)
         return none._replace(away=0, rowless=0)
     b, d, start = tix.hashes(ix, keys)
-    prev = torch.empty_like(keys) if atomic and touch else None
+    if prev is None and atomic and touch:
+        prev = torch.empty_like(keys)
     found = tix.probe(ix, keys, prev, hashed=(b, d))
     has_custom = policy == P_CUSTOM and custom.numel() > 0
     if touch or insert:  # (pins keep an insert from evicting the call's own rows)
@@ -145,7 +156,7 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
     hit = found >= 0
     miss_hbm = ~hit & (b < ix.split)
     counts = [hit & (found < hbm_rows), hit & (found >= hbm_rows), miss_hbm, ~hit & ~miss_hbm]
-    slots, inserted, fresh_n, nums_reserved = found, None, None, []
+    slots, inserted, fresh_n, nums_reserved, ins = found, None, None, [], None
     ev_n = failed = torch.zeros((), dtype=torch.int64, device=dev)
     if insert:
         # (the reserved empty key, in a batch changed after it was checked, never gets a row:
@@ -156,9 +167,16 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         slots = torch.where(hit, found, new)
         failed = fails.sum() + reserved.sum()
         nums_reserved = [reserved.sum()]
-        (ev_k, ev_s, ev_sc), ev_n = _compact(evicted, ev_keys, new, ev_scores)
-        (fresh,), fresh_n = _compact(inserted, torch.arange(n, device=dev))
-    inverse, uslots, upos, u = _number(slots, ix.num_slots)
+        (ev_k, ev_s, ev_sc), ev_n = compact(evicted, ev_keys, new, ev_scores)
+        (fresh,), fresh_n = compact(inserted, torch.arange(n, device=dev))
+        ins = (new, inserted, evicted, ev_scores)
+    carried = None
+    if carry is None:
+        inverse, uslots, upos, u = _number(slots, ix.num_slots)
+    else:
+        inverse, uslots, upos, u = number_by_key(keys, slots)
+        bufs, carried_n = carry(slots, hit, ins)
+        carried = to_host(torch.stack(bufs))
     entry = torch.arange(n, device=dev) < u
     rowless = (uslots[:n] < 0) & entry
     away = rowless | ((uslots[:n] >= hbm_rows) & entry)
@@ -166,6 +184,8 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
             *nums_reserved]
     if fresh_n is not None:
         nums.append(fresh_n)
+    if carried is not None:
+        nums += carried_n
     got = torch.stack(nums).tolist()  # the one read of the call
     n_u, n_ev, n_failed, n_away, n_rowless = got[:5]
     tiers = got[5:9]
@@ -176,8 +196,8 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         _release_kernel[_grid(n)](found, ix.pins, n, BLOCK=_BLOCK)
         return Resolved(_EMPTY, _EMPTY, _EMPTY, slots, None, _EMPTY, (_EMPTY,) * 3, n_failed,
                         tiers, None, reserved=n_reserved)
-    if touch or insert:
-        _release_kernel[_grid(n)](slots, ix.pins, n, BLOCK=_BLOCK)
+    if (touch or insert) and release_pins:
+        release(ix, slots)
     ev, fresh_out = (_EMPTY.to(dev),) * 3, _EMPTY.to(dev)
     if insert:
         c = ix.counts  # tensor adds: no host read
@@ -187,6 +207,9 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         c[C_SIZE_DELTA] += inserted.sum() - ev_n
         ev = (ev_k[:n_ev], ev_s[:n_ev], ev_sc[:n_ev])
         fresh_out = fresh[:got[10]]
+    if carried is not None:
+        carried = (carried, got[len(got) - len(carried_n):])
     return Resolved(inverse, uslots[:n_u], upos[:n_u], slots, inserted, fresh_out, ev, n_failed,
-                    tiers, None, away=n_away, rowless=n_rowless, reserved=n_reserved)
+                    tiers, None, away=n_away, rowless=n_rowless, reserved=n_reserved,
+                    carried=carried)
 

@@ -39,6 +39,7 @@ from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import C_EVICTED, P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
 from dynemb.kernels.index_torch import dedup, put_where
 from dynemb.optim.rules import RowOptimizer
+from dynemb.table.cached_once import resolve_once
 from dynemb.table.index import HashIndex
 from dynemb.table.lifecycle import RowLifecycle
 from dynemb.table.memory import Layout
@@ -97,13 +98,19 @@ class CachedResolver(Resolver):
 
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                 custom: torch.Tensor, keep_evicted: bool, saved: Saved | None) -> Lookup:
-        """``Resolver.resolve`` for a CACHING table.
+        """``Resolver.resolve`` for a CACHING table: training calls and finds without admission
+        go cache first (``dynemb.table.cached_once``: one read from the device on the triton
+        backend); with admission, which judges misses before they may take a cache slot, and
+        for a lookup that touches without inserting, the staged order below.
 
         ``saved`` (an atomic call: ``on_full`` RAISE): the table's step and counters before the
         call; if a new key cannot get a backing row, every change is undone and the call raises.
         Until then the call has only touched (journaled) and pinned, and possibly moved cached
         rows of full buckets to the backing store (their contents unchanged)."""
         cx, bx, life, st = self.index, self.backing, self.life, self.state
+        if keys.numel() and touch == insert and not (admit and life.admission is not None):
+            return resolve_once(self, keys, touch=touch, insert=insert, custom=custom,
+                                keep_evicted=keep_evicted, saved=saved)
         step, c, dev = st.step, st.counters, self.device
         prev = torch.empty_like(keys) if saved is not None and touch else None
         cs = cx.backend.find(cx, keys, custom, self.policy, step, touch, True, prev)
@@ -151,16 +158,19 @@ class CachedResolver(Resolver):
                                         st.policy, step, True, False)
         return self._finish(keys, cs, miss, bs, inserted, evicted, failed)
 
-    def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor, atomic: bool):
+    def _backing_insert(self, keys: torch.Tensor, custom: torch.Tensor, atomic: bool,
+                        then: Callable[[], bool] | None = None):
         """Inserts new keys into the backing store. Cached rows are pinned there, so a bucket
         whose rows are all cached refuses new keys: then the cached rows homed in the refusing
         buckets that this call does not use leave the cache (written back), and the refused
         keys are inserted again, evicting by score like any full bucket. ``atomic``: each
-        attempt places every key or changes nothing (the second attempt retries them all)."""
+        attempt places every key or changes nothing (the second attempt retries them all).
+        ``then``: run after the first attempt; True if it freed backing rows (a retry then)."""
         bx, policy, step = self.backing, self.state.policy, self.state.step
         slots, fresh, ev = bx.backend.insert(bx, keys, custom, policy, step, atomic)
+        freed = then is not None and then()
         fail = torch.nonzero(slots < 0).flatten()
-        if fail.numel() and policy != P_NO_EVICTION and self._release(keys[fail]):
+        if fail.numel() and policy != P_NO_EVICTION and (self._release(keys[fail]) or freed):
             if atomic:
                 return bx.backend.insert(bx, keys, custom, policy, step, True)
             again, fresh2, ev2 = bx.backend.insert(

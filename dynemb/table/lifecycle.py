@@ -23,6 +23,7 @@ from dynemb.kernels.hashing import GOLDEN, to_signed
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.admission import AdmissionFilter
 from dynemb.table.index import HashIndex
+from dynemb.table.pinned import upload
 from dynemb.table.state import Saved, TableState
 from dynemb.table.stats import Evicted
 from dynemb.table.storage import RowStore
@@ -82,7 +83,7 @@ class RowLifecycle:
                   offset: int) -> None:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the index of every row of the
         table, whose slot 0 is global row ``offset``), written at the current step."""
-        rids = slots.to(self.device)
+        rids = upload(slots, self.device)
         self.store.init(rids + offset if offset else rids, keys, self.optimizer.initial_state,
                         self.config.initializer, self.init_mix)
         ix.written[slots] = self.state.step
@@ -124,7 +125,7 @@ class RowLifecycle:
             return self.evicted_none()
         self.state.evicted(keys)
         dim = self.config.dim
-        keys, scores = keys.to(self.device), scores.to(self.device)
+        keys, scores = upload(keys, self.device), upload(scores, self.device)
         if not with_rows:
             return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
         rows = self.store.read(slots.to(self.device) + offset)

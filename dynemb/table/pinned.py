@@ -82,3 +82,11 @@ def mapped_in_place(rows: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES, drive
         if int(err) != 0 or dev.value != base + off:
             return False
     return True
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A copy from host memory does not wait for the device (a blocking
+    copy would: torch synchronises the stream first); pageable memory is staged before the call
+    returns, page-locked memory from torch's allocator is kept until the copy is done. (Never
+    for a copy to the host, which must wait for its data.)"""
+    return t.to(device, non_blocking=True)

@@ -19,7 +19,7 @@ import torch
 
 from dynemb.kernels.backend import NUMBA
 from dynemb.table.ddr_files import DdrFiles, ddr_file_bytes
-from dynemb.table.pinned import mapped_in_place, pinned_zeros
+from dynemb.table.pinned import mapped_in_place, pinned_zeros, upload
 
 __all__ = ["DdrFiles", "RowStore", "ddr_file_bytes"]
 
@@ -46,7 +46,8 @@ class RowStore:
         self.backend = backend
         self.hbm = torch.zeros(hbm_rows, width, dtype=torch.float32, device=device)
         self.ddr: torch.Tensor | None = None
-        self.ddr_backend = backend if device.type == "cpu" else NUMBA
+        # (host memory's kernels; a triton table's on CPU too, the model of its CUDA path)
+        self.ddr_backend = backend if device.type == "cpu" and not backend.reads_wait else NUMBA
         self._side = None  # a CUDA table's side stream for copies to hbm (made on first use)
         if ddr_rows and files is not None:
             self.ddr = files.alloc("rows", ddr_rows * width, torch.float32, 0).view(ddr_rows, width)
@@ -86,7 +87,7 @@ class RowStore:
     def gather(self, ids: torch.Tensor, ncols: int, out: torch.Tensor) -> None:
         """``out[u, :ncols] = row(ids[u])[:ncols]`` for ids >= 0 (others are left as they are)."""
         if self.in_place:
-            self.backend.tier_gather(self.hbm, self.ddr, ids.to(self.hbm.device), ncols, out)
+            self.backend.tier_gather(self.hbm, self.ddr, upload(ids, self.hbm.device), ncols, out)
             return
         for be, rows, slots in self.parts(ids):
             if rows.device == out.device:
@@ -107,7 +108,7 @@ class RowStore:
     def write(self, ids: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
         """``row(ids[n])[start:start + values.shape[1]] = values[n]`` (ids all >= 0)."""
         if self.in_place:
-            self.backend.tier_scatter(self.hbm, self.ddr, ids.to(self.hbm.device),
+            self.backend.tier_scatter(self.hbm, self.ddr, upload(ids, self.hbm.device),
                                       values.to(self.hbm), start)
             return
         stop = start + values.shape[1]
@@ -122,8 +123,8 @@ class RowStore:
         """Copies ddr rows ``ddr_rows`` (K,) (ddr row numbers) to hbm rows ``hbm_rows`` (K,)."""
         if self.in_place:
             dev = self.hbm.device
-            self.backend.tier_copy(self.hbm, self.ddr, ddr_rows.to(dev) + self.split,
-                                   hbm_rows.to(dev))
+            self.backend.tier_copy(self.hbm, self.ddr, upload(ddr_rows, dev) + self.split,
+                                   upload(hbm_rows, dev))
             return
         if self.hbm.device == self.ddr.device:
             self.ddr_backend.copy_rows(self.ddr, ddr_rows, self.hbm, hbm_rows)
@@ -144,7 +145,7 @@ class RowStore:
         if self._side is None:
             self._side = torch.cuda.Stream(dev)
         with torch.cuda.stream(self._side):
-            out = buf.to(dev, non_blocking=True)
+            out = upload(buf, dev)
         current = torch.cuda.current_stream(dev)
         current.wait_stream(self._side)
         out.record_stream(current)
@@ -154,8 +155,8 @@ class RowStore:
         """Copies hbm rows ``hbm_rows`` (K,) to ddr rows ``ddr_rows`` (K,) (ddr row numbers)."""
         if self.in_place:
             dev = self.hbm.device
-            self.backend.tier_copy(self.hbm, self.ddr, hbm_rows.to(dev),
-                                   ddr_rows.to(dev) + self.split)
+            self.backend.tier_copy(self.hbm, self.ddr, upload(hbm_rows, dev),
+                                   upload(ddr_rows, dev) + self.split)
             return
         if self.hbm.device == self.ddr.device:
             self.ddr_backend.copy_rows(self.hbm, hbm_rows, self.ddr, ddr_rows)
@@ -169,7 +170,7 @@ class RowStore:
         if self.in_place and self.ddr is not None:  # made on the device, then put in place
             dev = self.hbm.device
             rows = torch.empty(keys.numel(), self.width, dtype=torch.float32, device=dev)
-            self.backend.init_rows(rows, torch.arange(keys.numel(), device=dev), keys.to(dev),
+            self.backend.init_rows(rows, torch.arange(keys.numel(), device=dev), upload(keys, dev),
                                    self.dim, state_value, init, table_mix)
             self.write(ids, rows)
             return

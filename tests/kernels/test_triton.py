@@ -388,12 +388,14 @@ def test_rows_located_again_are_found_by_pooling_after_an_erase():
     assert (src < 0).sum().item() == 1 and extra.shape[0] == 1
 
 
+@pytest.mark.parametrize("storage", [dynemb.Storage(), dynemb.Storage(
+    mode=dynemb.StorageMode.CACHING, cache_load_factor=0.5)], ids=["hbm_only", "caching"])
 @pytest.mark.parametrize("on_full", [dynemb.OnFull.RAISE, dynemb.OnFull.COUNT])
-def test_a_batch_changed_to_hold_the_reserved_key_never_makes_it_a_row(on_full):
+def test_a_batch_changed_to_hold_the_reserved_key_never_makes_it_a_row(on_full, storage):
     """The triton backend does not check a batch again (that would wait for the GPU)."""
     ebc = dynemb.EmbeddingBagCollection(
-        [dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=64, on_full=on_full)],
-        backend="triton", device=DEV)
+        [dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=64, on_full=on_full,
+                            storage=storage)], backend="triton", device=DEV)
     batch = dynemb.SparseBatch(features=["f"], values=torch.tensor([1, 2]),
                                lengths=torch.tensor([1, 1])).to(DEV)
     batch.values[1] = dynemb.EMPTY_KEY
@@ -402,6 +404,7 @@ def test_a_batch_changed_to_hold_the_reserved_key_never_makes_it_a_row(on_full):
         with pytest.raises(dynemb.errors.InputError, match="reserved empty key.*changed after"):
             ebc(batch)
         assert t.size() == 0 and t.step == 0
+        assert t.cache is None or t.cache.index.size() == 0
     else:
         ebc(batch)
         assert _stored(t) == [1] and t.stats().failed_inserts == 1
@@ -428,3 +431,67 @@ def test_held_lookups_keep_their_rows_as_on_numba():
     a, b = tables
     assert torch.equal(a.index.pins, b.index.pins.cpu())
     assert _stored(a) == _stored(b) and a.stats() == b.stats()
+
+
+caching_op_st = st.one_of(
+    st.tuples(st.just("train"), keys_st), st.tuples(st.just("eval"), keys_st),
+    st.tuples(st.just("find_or_insert"), keys_st),
+    st.tuples(st.just("assign"), keys_st.map(lambda ks: sorted(set(ks)))),
+    st.tuples(st.just("erase"), keys_st.map(lambda ks: sorted(set(ks)))),
+    st.tuples(st.just("prefetch"), keys_st), st.tuples(st.just("flush"), st.just([])))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from([dynemb.ScorePolicy.LRU, dynemb.ScorePolicy.LFU,
+                               dynemb.ScorePolicy.STEP, dynemb.ScorePolicy.CUSTOM]),
+       on_full=st.sampled_from([dynemb.OnFull.COUNT, dynemb.OnFull.RAISE]),
+       ops=st.lists(caching_op_st, min_size=1, max_size=8))
+def test_a_caching_table_on_triton_matches_numba_on_random_calls(policy, on_full, ops):
+    """The cache-first lookup (``table.cached_once``: one read on the triton backend, free
+    reads on numba) with every other verb between: the same values, rows, scores and stats."""
+    storage = dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.3)
+    tables = [dynemb.DynamicTable(
+        dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=32, bucket_capacity=8,
+                           storage=storage, score=policy, on_full=on_full,
+                           optimizer=dynemb.Adagrad(lr=0.1)),
+        backend=be, device=CPU if be == "numba" else DEV) for be in ("numba", "triton")]
+    for i, (op, ks) in enumerate(ops):
+        keys = torch.tensor(ks, dtype=torch.int64) * 977
+        got = []
+        for t in tables:
+            k = keys.to(t.device)
+            t.lookup_score = 5 * i if policy == dynemb.ScorePolicy.CUSTOM else None
+            try:
+                if op in ("train", "eval"):
+                    lk = t.lookup(k, train=op == "train")
+                    values = t.embeddings(lk)[lk.inverse]
+                    if op == "train":
+                        grads = torch.ones(lk.unique_keys.numel(), 4, device=t.device)
+                        t.apply_gradients(lk, grads * (lk.unique_keys[:, None] % 5))
+                    got.append(values.cpu())
+                elif op == "find_or_insert":
+                    scores = torch.full_like(k, i) if policy == dynemb.ScorePolicy.CUSTOM else None
+                    got.append(t.find_or_insert(k, scores).values.cpu())
+                elif op == "assign":
+                    t.insert_or_assign(k, torch.ones(k.numel(), 4, device=t.device) * i)
+                elif op == "erase":
+                    got.append(t.erase(k))
+                elif op == "prefetch":
+                    got.append(t.prefetch(k))
+                else:
+                    got.append(t.flush())
+            except dynemb.errors.CapacityError:
+                got.append("refused")
+        assert not got or _same_results(*got), (op, ks)
+        a, b = tables
+        assert a.stats() == b.stats(), (op, ks)
+    ea, eb = (t.export_batch(0, t.capacity()) for t in tables)
+    assert torch.equal(ea.keys, eb.keys.cpu()) and torch.equal(ea.scores, eb.scores.cpu())
+    _close(eb.embeddings.contiguous(), ea.embeddings)
+    _close(eb.optimizer_state.contiguous(), ea.optimizer_state)
+
+
+def _same_results(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    return a == b
