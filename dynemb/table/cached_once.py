@@ -113,13 +113,25 @@ def _cache_staged(r: CachedResolver, keys, custom, touch, insert, prev):
     of the misses; reads are free on the host)."""
     cx, st = r.index, r.state
     be, given = cx.backend, custom.numel() > 0
-    slots = be.find(cx, keys, custom, r.policy, st.step, touch, True, prev)
+    ok = keys != EMPTY_KEY  # (the reserved key, in a batch changed after its check, is a miss
+    if bool(ok.all()):      # that never takes a slot, as in the triton lookup)
+        slots = be.find(cx, keys, custom, r.policy, st.step, touch, True, prev)
+    else:
+        sub = None if prev is None else torch.empty_like(keys[ok])
+        slots = torch.full_like(keys, -1)
+        slots[ok] = be.find(cx, keys[ok], custom[ok] if given else custom, r.policy, st.step,
+                            touch, True, sub)
+        if prev is not None:
+            prev[ok] = sub
     pos = torch.nonzero(slots < 0).flatten()
     mkeys, mcustom = keys[pos], custom[pos] if given else custom
     made, evicted = torch.zeros(pos.numel(), dtype=torch.bool, device=keys.device), None
-    if insert and pos.numel():
-        new, made, (_, es, esc) = be.insert(cx, mkeys, mcustom, r.policy, st.step)
-        slots[pos] = new
+    new_keys = torch.nonzero(mkeys != EMPTY_KEY).flatten()
+    if insert and new_keys.numel():
+        new, made_new, (_, es, esc) = be.insert(
+            cx, mkeys[new_keys], mcustom[new_keys] if given else mcustom, r.policy, st.step)
+        slots[pos[new_keys]] = new
+        made[new_keys] = made_new
         if es.numel():
             evicted = (es, r.home[es], esc, cx.written[es], r.dirty[es])
     inverse, unique, upos, u = number_by_key(keys, slots)
@@ -191,6 +203,7 @@ class _Call:
             if insert else None
         evicted, failed = life.evicted_none(), 0
         final = mslot.clone()  # each miss's row id
+        gave_back = False
         if mkeys.numel():
             bs = torch.full_like(mkeys, -1)
             ok = mkeys != EMPTY_KEY  # (the reserved key, in a batch changed after its check,
@@ -212,6 +225,7 @@ class _Call:
             if bool(back.any()):  # cache slots given back (a key without a backing row here)
                 r.index.backend.erase(r.index, upload(mkeys[back], dev))
                 final = torch.where(torch.isin(mslot, mslot[back]), -1, final)
+                gave_back = True
             served = (final < 0) & (bs >= 0)  # read and updated in the backing store
             final = torch.where(served, bs + r.row_offset, final)
             bx.backend.unpin(bx, bs)
@@ -235,10 +249,16 @@ class _Call:
         far = (final < 0) | (final >= r.row_offset)
         if failed:
             r.on_full(failed)
-        return Lookup(unique_keys=self.keys[upos], unique_slots=unique, inverse=inverse,
-                      inserted=inserted, evicted=evicted, epoch=st.epoch,
-                      away=int(torch.unique(mkeys[far]).numel()) + split.numel(),
-                      rowless=int(torch.unique(mkeys[final < 0]).numel()) + split.numel())
+        lk = Lookup(unique_keys=self.keys[upos], unique_slots=unique, inverse=inverse,
+                    inserted=inserted, evicted=evicted, epoch=st.epoch,
+                    away=int(torch.unique(mkeys[far]).numel()) + split.numel(),
+                    rowless=int(torch.unique(mkeys[final < 0]).numel()) + split.numel())
+        if gave_back:
+            # A slot given back is free: a later call may fetch into it, without evicting
+            # anything, a key this lookup (or one in flight) serves from the backing store.
+            # Those lookups must then find the cached copy: the epoch moves past them all.
+            st.epoch += 1
+        return lk
 
     def _release(self) -> None:
         """Frees the call's pins in the cache (hold counts of lookups in flight stay)."""

@@ -408,3 +408,61 @@ def test_no_lost_update_with_table_evictions(backend, score, x):
                 assert torch.equal(res.values[res.found, 0], want[res.found]), f"seed {seed} op {i}"
                 for k in ks[~res.found].tolist():
                     count.pop(k)
+
+
+@pytest.mark.parametrize("later", ["lookup", "prefetch"])
+def test_a_cache_slot_given_back_leaves_no_stale_copy(backend, later):
+    """A call gives a cache slot back (its key J got no backing row: J's backing bucket is full
+    of rows the call uses), while it serves one of its keys, X, from the backing store (J took
+    the last free slot of X's cache bucket). A later call fetches X into the freed slot without
+    evicting anything: the first call's update must still reach the row, as in HBM_ONLY."""
+    kw = dict(capacity=64, bucket_capacity=8, optimizer=dynemb.SGD(lr=1.0),
+              on_full=dynemb.OnFull.COUNT)
+    t = dynemb.DynamicTable(_cfg(_caching(0.3), **kw), backend=backend)
+    ref = dynemb.DynamicTable(_cfg(Storage(), **kw), backend=backend)
+    cx, bx = t.cache.index, t.index
+    ks = torch.arange(1, 3000)
+    cb = home_bucket(ks, index_hash(ks), cx.num_buckets, cx.split)
+    bb = home_bucket(ks, index_hash(ks), bx.num_buckets, bx.split)
+    xs, j = ks[bb == 0][:8], ks[bb == 0][8:9]  # one backing bucket: X fill it, J finds it full
+    others = ks[(cb == cb[ks == j]) & (bb != 0)][:8]  # they fill J's cache bucket: X leave it
+    for tab in (t, ref):
+        tab.find_or_insert(xs)
+        tab.find_or_insert(others)
+        first = tab.lookup(torch.cat([j, xs]), train=True)
+        second = tab.lookup(xs[-1:], train=True) if later == "lookup" else None
+        if later == "prefetch":
+            tab.prefetch(xs[-1:])
+        tab.apply_gradients(first, torch.ones(first.unique_keys.numel(), 4))
+        if second is not None:
+            tab.apply_gradients(second, torch.ones(1, 4))
+    assert t.stats().failed_inserts == 1  # J (the scenario happened)
+    _check_cache(t)
+    a, b = (tab.export_batch(0, tab.capacity()) for tab in (t, ref))
+    oa, ob = torch.argsort(a.keys), torch.argsort(b.keys)
+    assert torch.equal(a.keys[oa], b.keys[ob])
+    assert torch.equal(a.embeddings[oa], b.embeddings[ob])
+    assert torch.equal(t.find(xs).values, ref.find(xs).values)
+
+
+@pytest.mark.parametrize("on_full", [dynemb.OnFull.RAISE, dynemb.OnFull.COUNT])
+def test_the_reserved_key_in_a_changed_batch_never_takes_a_cache_or_backing_slot(backend,
+                                                                                 on_full):
+    """Checks skipped (``checked=True``, as for a batch validated when it was built and changed
+    after): the reserved key is a miss that gets no row; RAISE raises and changes nothing."""
+    t = dynemb.DynamicTable(_cfg(_caching(0.3), capacity=64, bucket_capacity=8,
+                                 on_full=on_full), backend=backend)
+    t.find_or_insert(torch.arange(1, 20))
+    keys = torch.tensor([3, dynemb.EMPTY_KEY, 5, dynemb.EMPTY_KEY])
+    before = t.stats()
+    if on_full == dynemb.OnFull.RAISE:
+        with pytest.raises(dynemb.errors.InputError, match="reserved empty key"):
+            t.lookup(keys, train=True, checked=True)
+        assert t.stats().step == before.step and t.size() == before.size
+    else:
+        lk = t.lookup(keys, train=True, checked=True)
+        assert (lk.unique_slots < 0).sum() == 2  # each occurrence its own entry, no row
+        t.apply_gradients(lk, torch.ones(lk.unique_keys.numel(), 4))
+        assert t.stats().failed_inserts == before.failed_inserts + 2
+    assert dynemb.EMPTY_KEY not in t.export_batch(0, t.capacity()).keys.tolist()
+    _check_cache(t)
