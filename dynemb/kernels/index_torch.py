@@ -246,18 +246,27 @@ def compact(flags: torch.Tensor, *values: torch.Tensor) -> tuple[list[torch.Tens
     return bufs, flags.sum()
 
 
-def number_by_key(keys: torch.Tensor, slots: torch.Tensor):
-    """:func:`_number` with one entry per distinct key, ascending (its occurrences share a
-    slot, or all have none), for a caller that gives entries their rows later."""
-    n = keys.numel()
-    dev = keys.device
-    sk, perm = torch.sort(keys, stable=True)
-    new = torch.ones(n, dtype=torch.bool, device=dev)
+def entries_of(values: torch.Tensor):
+    """Entries of ``values`` (N,), one per distinct value, ascending, without a host read:
+    (the values sorted (stable), the sort's permutation, each element's entry (N,), each
+    sorted element's place in an (N + 1)-long buffer of entries (N, the spare, for repeats),
+    the number of entries on the device)."""
+    n = values.numel()
+    sk, perm = torch.sort(values, stable=True)
+    new = torch.ones(n, dtype=torch.bool, device=values.device)
     new[1:] = sk[1:] != sk[:-1]
     entry = torch.cumsum(new, 0) - 1
     inverse = torch.empty_like(entry)
     inverse[perm] = entry
-    at = torch.where(new, entry, n)
+    return sk, perm, inverse, torch.where(new, entry, n), new.sum()
+
+
+def number_by_key(keys: torch.Tensor, slots: torch.Tensor):
+    """(inverse (N,), each entry's slot and first occurrence as (N + 1,) buffers, U on the
+    device) with one entry per distinct key, ascending (its occurrences share a slot, or all
+    have none), for a caller that gives entries their rows later."""
+    n, dev = keys.numel(), keys.device
+    _, perm, inverse, at, u = entries_of(keys)
     uslots = torch.empty(n + 1, dtype=torch.int64, device=dev).scatter_(0, at, slots[perm])
     upos = torch.empty(n + 1, dtype=torch.int64, device=dev).scatter_(0, at, perm)
-    return inverse, uslots, upos, new.sum()
+    return inverse, uslots, upos, u

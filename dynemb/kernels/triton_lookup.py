@@ -26,7 +26,7 @@ import torch
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels import triton_index as tix
-from dynemb.kernels.index_torch import compact, number_by_key
+from dynemb.kernels.index_torch import compact, entries_of, number_by_key
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION,
 )
@@ -91,18 +91,12 @@ def _number(slots: torch.Tensor, num_slots: int):
     n = slots.numel()
     dev = slots.device
     pos = torch.arange(n, device=dev)
-    sk, perm = torch.sort(torch.where(slots >= 0, slots, num_slots + pos), stable=True)
-    new = torch.ones(n, dtype=torch.bool, device=dev)
-    new[1:] = sk[1:] != sk[:-1]
-    entry = torch.cumsum(new, 0) - 1
-    inverse = torch.empty_like(entry)
-    inverse[perm] = entry
-    at = torch.where(new, entry, n)
+    sk, perm, inverse, at, u = entries_of(torch.where(slots >= 0, slots, num_slots + pos))
     uslots = torch.full((n + 1,), -1, dtype=torch.int64, device=dev)
     uslots.scatter_(0, at, torch.where(sk < num_slots, sk, -1))
     upos = torch.empty(n + 1, dtype=torch.int64, device=dev)
     upos.scatter_(0, at, perm)  # the stable sort puts a slot's first occurrence first
-    return inverse, uslots, upos, new.sum()
+    return inverse, uslots, upos, u
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

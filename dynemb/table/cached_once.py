@@ -18,12 +18,15 @@ once:
    slots they took, with their backing slots, write steps and scores, and the entries get
    their row ids. Only arrays the host computed travel, host to device.
 
-The order differs from the staged one only in which cached rows a call evicts when some of
-its misses end without a cache row: a key that gets no backing row (a backing bucket full of
-cached rows, or the reserved key), or whose backing row a lookup in flight holds, takes a cache
-slot and gives it back, where the staged order never offers it to the cache. What training
-computes is the same. Those paths may read the device again (an erase); a call without them,
-the common case, reads once.
+Every backend takes these steps (numba and torch read freely on the host: ``_cache_staged``),
+so the CPU path is the CUDA path's reference. The staged order (kept for admission, which must
+judge a miss before it may take a cache slot) gives the same result except on two rare paths:
+a key that gets no backing row (its backing bucket is full of rows the call uses or cached
+rows, or it is the reserved key), or whose backing row a lookup in flight holds, takes a cache
+slot and gives it back (the epoch then moves: a later call may fetch into the freed slot);
+and a backing bucket full of cached rows: the rows this call evicted from the cache become
+evictable when the backing store retries, so it may evict other rows than the staged order.
+Those paths read the device again; a call without them, the common case, reads once.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Entries(NamedTuple):
 def resolve_once(r: CachedResolver, keys: torch.Tensor, *, touch: bool, insert: bool,
                  custom: torch.Tensor, keep_evicted: bool, saved: Saved | None) -> Lookup:
     """``CachedResolver.resolve`` (same arguments and result) in the cache-first order; ``keys``
-    (N > 0,) on the table's device, ``touch == insert`` (a training call or a find), no
+    (N > 0,) on the table's device, ``touch == insert`` (a training or an eval lookup), no
     admission."""
     prev = torch.empty_like(keys) if saved is not None and touch else None
     phase = _cache_once if r.index.backend.reads_wait else _cache_staged

@@ -128,7 +128,7 @@ class RowLifecycle:
         keys, scores = upload(keys, self.device), upload(scores, self.device)
         if not with_rows:
             return Evicted(keys=keys, embeddings=None, optimizer_state=None, scores=scores)
-        rows = self.store.read(slots.to(self.device) + offset)
+        rows = self.store.read(upload(slots, self.device) + offset)
         return Evicted(keys=keys, embeddings=rows[:, :dim], optimizer_state=rows[:, dim:],
                        scores=scores)
 
