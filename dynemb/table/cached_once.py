@@ -39,7 +39,7 @@ from dynemb.batch import CHANGED_BATCH, EMPTY_KEY
 from dynemb.config import ScorePolicy
 from dynemb.errors import InputError
 from dynemb.kernels.index_numba import PIN_CACHED, PIN_FREE
-from dynemb.kernels.index_torch import compact, number_by_key
+from dynemb.kernels.index_torch import compact, dedup
 from dynemb.table.pinned import upload
 from dynemb.table.state import Saved
 from dynemb.table.stats import Lookup
@@ -49,13 +49,14 @@ if TYPE_CHECKING:
 
 
 class Entries(NamedTuple):
-    """A call's occurrences (N,) in the cache: each one's cache slot (-1: none) and the entries,
-    one per distinct key (``inverse`` (N,), ``unique_slots`` and ``unique_pos`` (U,))."""
+    """A call's occurrences (N,) in the cache: each one's cache slot (-1: none) and, on the
+    triton backend, the entries, one per distinct key (``inverse`` (N,), ``unique_slots`` and
+    ``unique_pos`` (U,)); None on the host backends, which number entries at the end."""
 
     slots: torch.Tensor
-    inverse: torch.Tensor
-    unique_slots: torch.Tensor
-    unique_pos: torch.Tensor
+    inverse: torch.Tensor | None = None
+    unique_slots: torch.Tensor | None = None
+    unique_pos: torch.Tensor | None = None
 
 
 def resolve_once(r: CachedResolver, keys: torch.Tensor, *, touch: bool, insert: bool,
@@ -137,10 +138,8 @@ def _cache_staged(r: CachedResolver, keys, custom, touch, insert, prev):
         made[new_keys] = made_new
         if es.numel():
             evicted = (es, r.home[es], esc, cx.written[es], r.dirty[es])
-    inverse, unique, upos, u = number_by_key(keys, slots)
-    u = int(u)
     host = r.backing.keys.device  # (a torch backend's CUDA cache: its results to the host)
-    return (Entries(slots, inverse, unique[:u], upos[:u]),
+    return (Entries(slots),
             tuple(t.to(host) for t in (pos, mkeys, slots[pos], mcustom, made)),
             None if evicted is None else tuple(t.to(host) for t in evicted))
 
@@ -238,24 +237,14 @@ class _Call:
                 bx.backend.find(bx, mkeys[by], self.mcustom[by] if self.mcustom.numel()
                                 else self.mcustom, st.policy, st.step, True, False)
         self.unpin()
-        self._release()
-        inverse, unique, upos = res.inverse, res.unique_slots, res.unique_pos
-        change = final != mslot
-        if bool(change.any()):
-            unique.index_put_((inverse[upload(pos[change], dev)],), upload(final[change], dev))
-        split = _own_entries(pos, mkeys, final < 0)
-        if split.numel():  # each occurrence without a row is its own entry
-            at = upload(split, dev)
-            inverse[at] = unique.numel() + torch.arange(at.numel(), device=dev)
-            unique = torch.cat([unique, torch.full_like(at, -1)])
-            upos = torch.cat([upos, at])
-        far = (final < 0) | (final >= r.row_offset)
+        r.index.backend.unpin(r.index, res.slots)  # (the call's pins; holds stay)
+        entries = self._entries(final, mslot) if res.inverse is None \
+            else self._entries_by_key(final, mslot)
         if failed:
             r.on_full(failed)
-        lk = Lookup(unique_keys=self.keys[upos], unique_slots=unique, inverse=inverse,
-                    inserted=inserted, evicted=evicted, epoch=st.epoch,
-                    away=int(torch.unique(mkeys[far]).numel()) + split.numel(),
-                    rowless=int(torch.unique(mkeys[final < 0]).numel()) + split.numel())
+        lk = Lookup(unique_keys=self.keys[entries[2]], unique_slots=entries[1],
+                    inverse=entries[0], inserted=inserted, evicted=evicted, epoch=st.epoch,
+                    away=entries[3], rowless=entries[4])
         if gave_back:
             # A slot given back is free: a later call may fetch into it, without evicting
             # anything, a key this lookup (or one in flight) serves from the backing store.
@@ -263,10 +252,38 @@ class _Call:
             st.epoch += 1
         return lk
 
-    def _release(self) -> None:
-        """Frees the call's pins in the cache (hold counts of lookups in flight stay)."""
-        cx = self.r.index
-        cx.backend.unpin(cx, self.res.slots)
+    def _entries(self, final, mslot):
+        """(inverse, unique row ids, first occurrences, entries away from hbm, entries without
+        a row) on a host backend: by cache slot, or by row id where the backing store serves
+        some (``dedup``); each occurrence without a row its own entry."""
+        rid = self.res.slots.clone()
+        rid[upload(self.pos, rid.device)] = upload(final, rid.device)
+        if bool((final >= self.r.row_offset).any()):
+            inverse, unique, upos = dedup(rid)
+        else:
+            cx = self.r.index
+            inverse, unique, upos = cx.backend.finish(cx, rid)
+        away = int(((unique < 0) | (unique >= self.r.row_offset)).sum())
+        return inverse, unique, upos, away, int((unique < 0).sum())
+
+    def _entries_by_key(self, final, mslot):
+        """:meth:`_entries` on the triton backend without a read: its lookup numbered the
+        entries by key; the host's arrays give the misses their row ids, and each further
+        occurrence of a key without a row its own entry."""
+        res, dev, mkeys, pos = self.res, self.r.device, self.mkeys, self.pos
+        inverse, unique, upos = res.inverse, res.unique_slots, res.unique_pos
+        change = final != mslot
+        if bool(change.any()):
+            unique.index_put_((inverse[upload(pos[change], dev)],), upload(final[change], dev))
+        split = _own_entries(pos, mkeys, final < 0)
+        if split.numel():
+            at = upload(split, dev)
+            inverse[at] = unique.numel() + torch.arange(at.numel(), device=dev)
+            unique = torch.cat([unique, torch.full_like(at, -1)])
+            upos = torch.cat([upos, at])
+        far = (final < 0) | (final >= self.r.row_offset)
+        return (inverse, unique, upos, int(torch.unique(mkeys[far]).numel()) + split.numel(),
+                int(torch.unique(mkeys[final < 0]).numel()) + split.numel())
 
     def _insert(self, bs, existed, inserted, keep_evicted):
         """The misses new to the table get backing rows (in place in ``bs``), initialised;
@@ -329,7 +346,7 @@ class _Call:
             cx.backend.restore_scores(cx, torch.where(hit, res.slots, -1), self.prev)
         if bool(self.made.any()):
             cx.backend.erase(cx, upload(self.mkeys[self.made], dev))
-        self._release()
+        cx.backend.unpin(cx, res.slots)
         saved = self.saved[1]  # the evictions happened: they stay counted
         for name in ("cache_evictions", "write_backs"):
             saved[name] = self.r.state.counters[name]
