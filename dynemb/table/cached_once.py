@@ -238,7 +238,7 @@ class _Call:
                                 else self.mcustom, st.policy, st.step, True, False)
         self.unpin()
         r.index.backend.unpin(r.index, res.slots)  # (the call's pins; holds stay)
-        entries = self._entries(final, mslot) if res.inverse is None \
+        entries = self._entries(final) if res.inverse is None \
             else self._entries_by_key(final, mslot)
         if failed:
             r.on_full(failed)
@@ -252,7 +252,7 @@ class _Call:
             st.epoch += 1
         return lk
 
-    def _entries(self, final, mslot):
+    def _entries(self, final):
         """(inverse, unique row ids, first occurrences, entries away from hbm, entries without
         a row) on a host backend: by cache slot, or by row id where the backing store serves
         some (``dedup``); each occurrence without a row its own entry."""
