@@ -205,12 +205,16 @@ def test_a_step_waits_once_per_table_in_forward_and_never_in_backward(score, on_
     assert evaluation.total <= 2, evaluation
 
 
-def test_a_held_lookup_waits_once_and_its_release_never():
-    """Pipelines hold a batch's rows from its lookup to its update (``lookup(hold=True)``)."""
-    t = _collection(dynemb.Storage()).tables["t"]
-    keys = torch.arange(40)
+@pytest.mark.parametrize("storage", [dynemb.Storage(), dynemb.Storage(
+    mode=dynemb.StorageMode.CACHING, cache_load_factor=0.5)], ids=["hbm_only", "caching"])
+def test_a_held_lookup_waits_once_and_its_release_never(storage):
+    """Pipelines hold a batch's rows from its lookup to its update (``lookup(hold=True)``); a
+    CACHING lookup whose entries are all cached holds them in the cache, on the device."""
+    t = _collection(storage, bucket=32).tables["t"]
+    keys = torch.arange(24)
     with count_syncs() as lookup:
         lk = t.lookup(keys, train=True, hold=True, checked=True)
+    assert lk.away == 0 and t.held_rows() == 24
     grads = torch.ones(lk.unique_keys.numel(), t.dim)
     with count_syncs() as update:
         t.apply_gradients(lk, grads)

@@ -49,15 +49,18 @@ class Holding:
         distinct)."""
         raise NotImplementedError
 
-    def _on_device(self) -> bool:
-        """Whether holds are taken without reading the device: a single index whose backend's
-        reads wait for a GPU (``HashIndex.hold_where``; its slots are the row ids)."""
-        return len(self.hold_indexes) == 1 and self.hold_indexes[0].backend.reads_wait
+    def _on_device(self, lk: Lookup) -> bool:
+        """Whether ``lk``'s holds are taken without reading the device: its row ids are slots
+        of the first index (a single index, or a CACHING lookup whose entries all are cached:
+        ``away`` 0), whose backend's reads wait for a GPU (``HashIndex.hold_where``)."""
+        return self.hold_indexes[0].backend.reads_wait and (len(self.hold_indexes) == 1
+                                                            or lk.away == 0)
 
     def hold(self, lk: Lookup) -> None:
         """Holds every row ``lk`` resolved (its ``unique_slots`` >= 0, which are distinct)."""
-        if self._on_device():
-            parts = (lk.unique_slots,)  # -1 entries included: skipped
+        if self._on_device(lk):
+            parts = (lk.unique_slots,  # -1 entries included: skipped
+                     *(ix.keys[:0] for ix in self.hold_indexes[1:]))
             self.hold_indexes[0].hold_where(parts[0])
         else:
             parts = self.hold_parts(lk.unique_slots[lk.unique_slots >= 0])
@@ -76,7 +79,7 @@ class Holding:
             raise InputError(f"table {table_name!r}: release() got a lookup held by another "
                              "table; release a lookup on the table that looked it up.")
         for ix, slots in zip(self.hold_indexes, rec.slots):
-            if self._on_device():
+            if ix.backend.reads_wait:  # (also for holds taken by ``hold``: the same pins)
                 ix.release_where(slots)
             else:
                 ix.release(slots)
