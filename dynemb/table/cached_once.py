@@ -151,8 +151,8 @@ def _own_entries(pos: torch.Tensor, keys: torch.Tensor, rowless: torch.Tensor) -
     rp, rk = pos[rowless], keys[rowless]
     if rp.numel() < 2:
         return rp[:0]
-    group = torch.unique(rk, return_inverse=True)[1]
-    first = torch.full((int(group.max()) + 1,), rp.numel(), dtype=torch.int64)
+    distinct, group = torch.unique(rk, return_inverse=True)
+    first = torch.full((distinct.numel(),), rp.numel(), dtype=torch.int64)
     first.scatter_reduce_(0, group, torch.arange(rp.numel()), "amin")
     return rp[first[group] != torch.arange(rp.numel())]
 
@@ -184,7 +184,7 @@ class _Call:
 
     def __init__(self, r: CachedResolver, keys, entries: Entries, prev, saved, pos, mkeys, made,
                  mcustom):
-        self.r, self.keys, self.res, self.prev, self.saved = r, keys, entries, prev, saved
+        self.r, self.keys, self.entries, self.prev, self.saved = r, keys, entries, prev, saved
         self.pos, self.mkeys, self.made, self.mcustom = pos, mkeys, made, mcustom
         self.evicted: torch.Tensor | None = None  # backing slots of evicted cached rows
 
@@ -198,7 +198,7 @@ class _Call:
         return True
 
     def finish(self, touch: bool, insert: bool, keep_evicted: bool, mslot) -> Lookup:
-        r, res, dev = self.r, self.res, self.r.device
+        r, res, dev = self.r, self.entries, self.r.device
         bx, st, life = r.backing, r.state, r.life
         mkeys, pos = self.mkeys, self.pos
         inserted = torch.zeros(self.keys.numel(), dtype=torch.bool, device=dev) \
@@ -238,13 +238,13 @@ class _Call:
                                 else self.mcustom, st.policy, st.step, True, False)
         self.unpin()
         r.index.backend.unpin(r.index, res.slots)  # (the call's pins; holds stay)
-        entries = self._entries(final) if res.inverse is None \
+        inverse, unique, upos, away, rowless = self._entries(final) if res.inverse is None \
             else self._entries_by_key(final, mslot)
         if failed:
             r.on_full(failed)
-        lk = Lookup(unique_keys=self.keys[entries[2]], unique_slots=entries[1],
-                    inverse=entries[0], inserted=inserted, evicted=evicted, epoch=st.epoch,
-                    away=entries[3], rowless=entries[4])
+        lk = Lookup(unique_keys=self.keys[upos], unique_slots=unique, inverse=inverse,
+                    inserted=inserted, evicted=evicted, epoch=st.epoch, away=away,
+                    rowless=rowless)
         if gave_back:
             # A slot given back is free: a later call may fetch into it, without evicting
             # anything, a key this lookup (or one in flight) serves from the backing store.
@@ -256,7 +256,7 @@ class _Call:
         """(inverse, unique row ids, first occurrences, entries away from hbm, entries without
         a row) on a host backend: by cache slot, or by row id where the backing store serves
         some (``dedup``); each occurrence without a row its own entry."""
-        rid = self.res.slots.clone()
+        rid = self.entries.slots.clone()
         rid[upload(self.pos, rid.device)] = upload(final, rid.device)
         if bool((final >= self.r.row_offset).any()):
             inverse, unique, upos = dedup(rid)
@@ -270,7 +270,7 @@ class _Call:
         """:meth:`_entries` on the triton backend without a read: its lookup numbered the
         entries by key; the host's arrays give the misses their row ids, and each further
         occurrence of a key without a row its own entry."""
-        res, dev, mkeys, pos = self.res, self.r.device, self.mkeys, self.pos
+        res, dev, mkeys, pos = self.entries, self.r.device, self.mkeys, self.pos
         inverse, unique, upos = res.inverse, res.unique_slots, res.unique_pos
         change = final != mslot
         if bool(change.any()):
@@ -336,7 +336,7 @@ class _Call:
     def _undo(self, bs) -> None:
         """An atomic call that fails: the cache keys it made leave again, its touches and pins
         are undone (cached rows it evicted stay moved to the backing store, contents kept)."""
-        r, res, dev = self.r, self.res, self.r.device
+        r, res, dev = self.r, self.entries, self.r.device
         cx = r.index
         self.unpin()
         r.backing.backend.unpin(r.backing, bs)
