@@ -74,18 +74,21 @@ def test_cuda_tables_match_cpu(optimizer, storage, backend):
         assert a.stats().admission_rejected == b.stats().admission_rejected
 
 
-@pytest.mark.parametrize("storage", [
-    dynemb.Storage(),
-    dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3),
-    dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.3)],
-    ids=["hbm_only", "hybrid", "caching"])
-def test_a_cuda_step_synchronises_once_per_table_in_forward_and_never_in_backward(storage):
+@pytest.mark.parametrize(("storage", "admission"), [
+    (dynemb.Storage(), None),
+    (dynemb.Storage(), dynemb.Admission(threshold=2)),
+    (dynemb.Storage(mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.3), None),
+    (dynemb.Storage(mode=dynemb.StorageMode.CACHING, cache_load_factor=0.3), None)],
+    ids=["hbm_only", "hbm_only-admission", "hybrid", "caching"])
+def test_a_cuda_step_synchronises_once_per_table_in_forward_and_never_in_backward(storage,
+                                                                                 admission):
     """torch's own count of the calls that wait for the GPU (``set_sync_debug_mode``): the one
     read per table and lookup (``tests/test_host_syncs.py`` models this on the CPU)."""
     import warnings  # noqa: PLC0415
 
     cfgs = [dynemb.TableConfig(name=n, dim=8, features=[f], capacity=1 << 12, storage=storage,
-                               optimizer=dynemb.Adam(lr=0.01)) for n, f in (("t", "a"), ("u", "b"))]
+                               optimizer=dynemb.Adam(lr=0.01), admission=admission)
+            for n, f in (("t", "a"), ("u", "b"))]
     ebc = dynemb.EmbeddingBagCollection(cfgs, device="cuda")
     g = torch.Generator().manual_seed(0)
 

@@ -205,6 +205,22 @@ def test_a_step_waits_once_per_table_in_forward_and_never_in_backward(score, on_
     assert evaluation.total <= 2, evaluation
 
 
+@pytest.mark.parametrize("storage", [dynemb.Storage(), HYBRID], ids=["hbm_only", "hybrid"])
+def test_admission_is_judged_and_counted_without_a_read(storage):
+    """Admission's counters live in an index on the device: the lookup judges the misses and
+    counts the sightings there, so its one read stays the only one."""
+    ebc = _collection(storage, bucket=32,
+                      admission=dynemb.Admission(threshold=2, counter_capacity=64))
+    for seed in range(3):
+        ebc(_batch(seed)).values().sum().backward()
+    before = ebc.tables["t"].stats()
+    forward, backward = _step_syncs(ebc, _batch(9))
+    assert forward.total <= 2 and backward.total == 0, (forward, backward)
+    after = ebc.tables["t"].stats()
+    assert after.admission_rejected > before.admission_rejected
+    assert after.inserted > before.inserted and after.counter_evictions > 0
+
+
 @pytest.mark.parametrize("storage", [dynemb.Storage(), dynemb.Storage(
     mode=dynemb.StorageMode.CACHING, cache_load_factor=0.5)], ids=["hbm_only", "caching"])
 def test_a_held_lookup_waits_once_and_its_release_never(storage):

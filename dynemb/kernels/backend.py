@@ -97,6 +97,9 @@ class Resolved(NamedTuple):
     triton lookup, which does not check again, counts them): counted in ``failed``."""
     carried: tuple | None = None
     """What the triton lookup's caller asked to bring back with its one read (``carry``)."""
+    rejected: int = 0
+    """Occurrences admission kept out, when the lookup judged them itself (the triton lookup
+    given ``admission``; ``miss`` is then None)."""
 
 
 Admit = Callable[[torch.Tensor], torch.Tensor]
@@ -379,8 +382,9 @@ class TritonBackend(TorchBackend):
     def lookup(self, ix, keys, custom, policy, step, *, touch, insert, atomic, admit, hbm_rows,
                **once):
         """One read from the device per call (``kernels.triton_lookup``; ``once``: its
-        keywords for a caller that finishes the call); with admission, which judges misses on
-        the host, the staged steps."""
+        keywords, such as ``admission`` to judge misses on the device, or those of a caller
+        that finishes the call); with ``admit``, which judges misses on the host, the staged
+        steps."""
         keys, custom = keys.contiguous(), custom.contiguous()
         if admit is not None:
             return super().lookup(ix, keys, custom, policy, step, touch=touch, insert=insert,

@@ -26,13 +26,15 @@ import torch
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels import triton_index as tix
-from dynemb.kernels.index_torch import compact, entries_of, number_by_key
 from dynemb.kernels.index_numba import (
-    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION,
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_ERASED, P_CUSTOM, P_LFU, P_LRU,
+    P_NO_EVICTION,
 )
+from dynemb.kernels.index_torch import compact, entries_of, number_by_key, put_where
 from dynemb.kernels.triton_index import K_FREE, K_HELD, jit, tl, triton
 
 _BLOCK = 128
+_NO_SCORES = torch.empty(0, dtype=torch.int64)
 
 
 @jit
@@ -114,12 +116,55 @@ def release(ix, slots: torch.Tensor) -> None:
         _release_kernel[_grid(slots.numel())](slots, ix.pins, slots.numel(), BLOCK=_BLOCK)
 
 
+def _admits(adm, keys: torch.Tensor, miss: torch.Tensor):
+    """``AdmissionFilter.judge`` on the device, without a read: (which occurrences ``miss``
+    (N,) bool lets in, each occurrence's entry by key, whether it is its key's first). A key's
+    occurrences are all misses or none, so its count in the call is its count among them."""
+    n = keys.numel()
+    cix = adm.index
+    _, perm, inverse, at, _ = entries_of(keys)
+    occ = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    occ.scatter_add_(0, inverse, torch.ones_like(inverse))
+    first = torch.zeros(n, dtype=torch.bool, device=keys.device).scatter_(0, perm, at < n)
+    cs = tix.probe(cix, keys)
+    stored = torch.where(cs >= 0, cix.scores[cs.clamp(min=0)], 0)
+    return miss & (stored + occ[inverse] >= adm.threshold), cs, first
+
+
+def _count_sightings(adm, keys: torch.Tensor, miss: torch.Tensor, got_row: torch.Tensor,
+                     cs: torch.Tensor, first: torch.Tensor) -> None:
+    """``AdmissionFilter.record`` on the device, without a read, in its order: the counters of
+    the missing keys that got a row are erased, then every other missing occurrence is counted
+    (found counters add one each and are pinned, so the insert of the new ones evicts none of
+    them). ``cs``, ``first``: from :func:`_admits`, before the call's insert."""
+    n, cix = keys.numel(), adm.index
+    gone = torch.where(miss & got_row & first, cs, -1)  # distinct counter slots
+    put_where(cix.keys, gone, EMPTY_KEY)
+    put_where(cix.digests, gone, D_ERASED)
+    put_where(cix.scores, gone, 0)
+    cix.counts[C_SIZE_DELTA] -= (gone >= 0).sum()
+    rest = miss & ~got_row
+    found = torch.where(rest, cs, -1)
+    _touch_kernel[_grid(n)](found, found, found, cix.scores, cix.pins, n, 0, TKIND=2,
+                            BLOCK=_BLOCK)
+    new, inserted, evicted, _, ev_scores, failed = tix.insert(
+        cix, keys, _NO_SCORES.to(keys.device), P_LFU, 0, False, only=rest & (found < 0))
+    c = cix.counts
+    c[C_INSERTED] += inserted.sum()
+    c[C_EVICTED] += evicted.sum()
+    c[C_FAILED] += failed.sum()
+    c[C_SIZE_DELTA] += (inserted & ~evicted).sum()
+    adm.forget_on_device(torch.where(evicted, ev_scores, 0).sum() + failed.sum())
+    release(cix, torch.where(found >= 0, found, new))
+
+
 def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, atomic: bool,
            hbm_rows: int, prev: torch.Tensor | None = None, release_pins: bool = True,
-           carry=None):
-    """``staged_lookup``'s :class:`~dynemb.kernels.backend.Resolved` (no admission) on the
-    triton backend ``be`` with one read from the device; its ``away`` counts the entries
-    without an hbm row, ``rowless`` those without a row.
+           carry=None, admission=None):
+    """``staged_lookup``'s :class:`~dynemb.kernels.backend.Resolved` on the triton backend
+    ``be`` with one read from the device; its ``away`` counts the entries without an hbm row,
+    ``rowless`` those without a row. ``admission``: the table's ``AdmissionFilter``, judged
+    and counted on the device (``Resolved.rejected``: the occurrences it kept out).
 
     For a caller that finishes the call's work itself (a CACHING table's cache): ``prev``, a
     journal of the scores the call touches; ``release_pins=False`` leaves the call's slots
@@ -156,11 +201,15 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         # (the reserved empty key, in a batch changed after it was checked, never gets a row:
         # it fails, counted, instead of corrupting the index)
         reserved = keys == EMPTY_KEY
+        miss = ~hit & ~reserved
+        admitted = miss
+        if admission is not None:
+            admitted, cs, first = _admits(admission, keys, miss)
         new, inserted, evicted, ev_keys, ev_scores, fails = tix.insert(
-            ix, keys, custom, policy, step, atomic, only=~hit & ~reserved, hashed=(b, d, start))
+            ix, keys, custom, policy, step, atomic, only=admitted, hashed=(b, d, start))
         slots = torch.where(hit, found, new)
         failed = fails.sum() + reserved.sum()
-        nums_reserved = [reserved.sum()]
+        nums_reserved = [reserved.sum(), (miss & ~admitted).sum()]
         (ev_k, ev_s, ev_sc), ev_n = compact(evicted, ev_keys, new, ev_scores)
         (fresh,), fresh_n = compact(inserted, torch.arange(n, device=dev))
         ins = (new, inserted, evicted, ev_scores)
@@ -183,13 +232,13 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
     got = torch.stack(nums).tolist()  # the one read of the call
     n_u, n_ev, n_failed, n_away, n_rowless = got[:5]
     tiers = got[5:9]
-    n_reserved = got[9] if insert else 0
+    n_reserved, n_rejected = got[9:11] if insert else (0, 0)
     if insert and n_failed and atomic:  # nothing was inserted: undo the touches and pins
         if prev is not None:
             ix.scores.index_put_((found[hit],), prev[hit])
         _release_kernel[_grid(n)](found, ix.pins, n, BLOCK=_BLOCK)
         return Resolved(_EMPTY, _EMPTY, _EMPTY, slots, None, _EMPTY, (_EMPTY,) * 3, n_failed,
-                        tiers, None, reserved=n_reserved)
+                        tiers, None, reserved=n_reserved, rejected=n_rejected)
     if (touch or insert) and release_pins:
         release(ix, slots)
     ev, fresh_out = (_EMPTY.to(dev),) * 3, _EMPTY.to(dev)
@@ -200,10 +249,12 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
         c[C_FAILED] += failed
         c[C_SIZE_DELTA] += inserted.sum() - ev_n
         ev = (ev_k[:n_ev], ev_s[:n_ev], ev_sc[:n_ev])
-        fresh_out = fresh[:got[10]]
+        fresh_out = fresh[:got[11]]
+        if admission is not None:  # the call succeeded: what it saw is counted
+            _count_sightings(admission, keys, miss, slots >= 0, cs, first)
     if carried is not None:
         carried = (carried, got[len(got) - len(carried_n):])
     return Resolved(inverse, uslots[:n_u], upos[:n_u], slots, inserted, fresh_out, ev, n_failed,
                     tiers, None, away=n_away, rowless=n_rowless, reserved=n_reserved,
-                    carried=carried)
+                    rejected=n_rejected, carried=carried)
 

@@ -30,8 +30,25 @@ class AdmissionFilter:
         self.index = HashIndex(*index_geometry(config.counter_capacity, COUNTER_BUCKET), device,
                                backend)
         self._no_scores = _NO_SCORES.to(device)
-        self.forgotten_sightings = 0
+        self._forgotten = 0
+        self._forgotten_on_device = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def forgotten_sightings(self) -> int:
         """Sightings dropped: counts of evicted counters plus ``counter_overflows``."""
+        self._forgotten += int(self._forgotten_on_device)  # (a read, when asked)
+        self._forgotten_on_device.zero_()
+        return self._forgotten
+
+    @forgotten_sightings.setter
+    def forgotten_sightings(self, value: int) -> None:
+        self._forgotten = value
+        self._forgotten_on_device.zero_()
+
+    def forget_on_device(self, sightings: torch.Tensor) -> None:
+        """Adds ``sightings`` (a count on the device) to ``forgotten_sightings`` without a read
+        (the triton lookup's ``record``)."""
+        self._forgotten_on_device += sightings
 
     def judge(self, keys: torch.Tensor) -> torch.Tensor:
         """The (N,) bool mask of occurrences in ``keys`` (N,) int64 whose key's count (its
@@ -56,7 +73,7 @@ class AdmissionFilter:
         if bool(miss.any()):
             new_slots, _, (_, _, ev_scores) = be.insert(ix, rest[miss], self._no_scores, P_LFU, 0)
             slots[miss] = new_slots
-            self.forgotten_sightings += int(ev_scores.sum()) + int((new_slots < 0).sum())
+            self._forgotten += int(ev_scores.sum()) + int((new_slots < 0).sum())
         be.unpin(ix, slots)
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:

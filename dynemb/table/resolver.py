@@ -159,13 +159,18 @@ class SingleIndexResolver(Resolver):
     def resolve(self, keys: torch.Tensor, *, touch: bool, insert: bool, admit: bool,
                 custom: torch.Tensor, keep_evicted: bool, saved: Saved | None) -> Lookup:
         ix, life = self.table_index, self.life
-        judge = None
+        judge, once = None, {}
         if insert and admit and life.admission is not None:
-            def judge(miss: torch.Tensor) -> torch.Tensor:
-                return life.admitted(keys, miss, True)
+            if self.backend.reads_wait:  # triton: judged and counted on the device
+                once = {"admission": life.admission}
+            else:
+                def judge(miss: torch.Tensor) -> torch.Tensor:
+                    return life.admitted(keys, miss, True)
         r = self.backend.lookup(ix, keys, custom, self.state.policy, self.state.step,
                                 touch=touch, insert=insert, atomic=saved is not None,
-                                admit=judge, hbm_rows=self.layout.hbm_rows)
+                                admit=judge, hbm_rows=self.layout.hbm_rows, **once)
+        if r.rejected:
+            self.state.counters["admission_rejected"] += r.rejected
         if r.reserved and saved is not None:  # the lookup changed nothing
             self.state.restore(saved)
             raise InputError(f"table {self.config.name!r}: lookup: found the reserved empty key "

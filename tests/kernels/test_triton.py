@@ -503,3 +503,68 @@ def _same_results(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-6, atol=1e-6))
     return a == b
+
+
+admission_op_st = st.one_of(
+    st.tuples(st.just("train"), keys_st), st.tuples(st.just("eval"), keys_st),
+    st.tuples(st.just("find_or_insert"), keys_st))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(storage=st.sampled_from([dynemb.Storage(), dynemb.Storage(
+           mode=dynemb.StorageMode.HYBRID, cache_load_factor=0.5)]),
+       on_full=st.sampled_from([dynemb.OnFull.COUNT, dynemb.OnFull.RAISE]),
+       threshold=st.integers(1, 3), counters=st.sampled_from([8, 64]),
+       ops=st.lists(admission_op_st, min_size=1, max_size=8))
+def test_admission_judged_on_the_device_matches_numba(storage, on_full, threshold, counters,
+                                                       ops):
+    """The triton lookup judges and counts admission on the device (no read): the same rows,
+    counters (slot for slot), rejections and forgotten sightings as numba, whose judge runs
+    between its probe and its insert; 8 counters overflow and evict."""
+    cfg = dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=16, bucket_capacity=8,
+                             storage=storage, on_full=on_full, optimizer=dynemb.SGD(lr=0.1),
+                             admission=dynemb.Admission(threshold=threshold,
+                                                        counter_capacity=counters))
+    tables = [dynemb.DynamicTable(cfg, backend=be, device=CPU if be == "numba" else DEV)
+              for be in ("numba", "triton")]
+    for op, ks in ops:
+        keys = torch.tensor(ks, dtype=torch.int64) * 977
+        got = []
+        for t in tables:
+            k = keys.to(t.device)
+            try:
+                if op == "find_or_insert":  # (not judged: admission filters training lookups)
+                    got.append(t.find_or_insert(k).values.cpu())
+                    continue
+                lk = t.lookup(k, train=op == "train")
+                got.append(t.embeddings(lk)[lk.inverse].cpu())
+                if op == "train":
+                    t.apply_gradients(lk, torch.ones(lk.unique_keys.numel(), 4, device=t.device))
+            except dynemb.errors.CapacityError:
+                got.append("refused")
+        assert _same_results(*got), (op, ks)
+        a, b = tables
+        assert a.stats() == b.stats(), (op, ks)
+        _same(a.admission.index, b.admission.index, f"counters after {op} {ks}")
+        _same(a.index, b.index, f"index after {op} {ks}")
+
+
+def test_admission_counters_overflow_and_evict_on_the_device_as_on_numba():
+    """8 counters in one bucket: a call with more new keys overflows it (those occurrences are
+    judged alone and forgotten), the next evicts the least-counted counters it did not touch."""
+    cfg = dynemb.TableConfig(name="t", dim=4, features=["f"], capacity=64, bucket_capacity=8,
+                             optimizer=dynemb.SGD(lr=0.1),
+                             admission=dynemb.Admission(threshold=4, counter_capacity=8))
+    tables = [dynemb.DynamicTable(cfg, backend=be, device=CPU if be == "numba" else DEV)
+              for be in ("numba", "triton")]
+    calls = [list(range(12)) * 2, [0, 1, 2] + list(range(20, 27)), [0, 1, 20, 20, 40] + [50] * 4]
+    for ks in calls:
+        for t in tables:
+            t.lookup(torch.tensor(ks, device=t.device) * 31, train=True)
+        a, b = tables
+        assert a.stats() == b.stats(), ks
+        _same(a.admission.index, b.admission.index, f"counters after {ks}")
+    st_ = a.stats()
+    assert st_.counter_overflows > 0 and st_.counter_evictions > 0, st_
+    assert st_.forgotten_sightings > st_.counter_overflows and st_.admission_rejected > 0, st_
+    assert a.size() == b.size() == 3  # keys seen four times got rows: 0, 1, 50
