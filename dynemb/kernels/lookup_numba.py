@@ -139,9 +139,13 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
                     free = j
             slot_at[i] = s
             free_at[i] = free
-            if s >= 0 and pins[s] == PIN_FREE:
-                n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
-                pins[s] = PIN_HELD
+            if s >= 0:
+                # its state before the call, once: :func:`undo` restores the earliest entry of
+                # a slot last, so the slot's later writes (repeated occurrences) need none
+                if touch or pins[s] == PIN_FREE:
+                    n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
+                if pins[s] == PIN_FREE:
+                    pins[s] = PIN_HELD
         else:
             s = slot_at[f]
         first[i] = f
@@ -151,7 +155,6 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
         else:
             tiers[T_HBM_HITS if s < hbm_rows else T_DDR_HITS] += 1
             if touch:
-                n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
                 _touch(iscores, s, policy, step, custom, i)
     return n_j
 
