@@ -7,13 +7,16 @@ from collections.abc import Callable
 import torch
 
 from dynemb.kernels.index_numba import C_SIZE_DELTA, EMPTY_KEY, NUM_COUNTS, PIN_FREE, PIN_LOCKED
+from dynemb.table.hostmem import host_full
 
 # (name, numel, dtype, fill) -> tensor: where an index keeps its persistent arrays
 Alloc = Callable[[str, int, torch.dtype, int], torch.Tensor]
 
 
 def device_alloc(device: torch.device) -> Alloc:
-    """Allocates filled tensors on ``device``."""
+    """Allocates filled tensors on ``device`` (host memory: in huge pages, ``table.hostmem``)."""
+    if device.type == "cpu":
+        return lambda name, n, dtype, fill: host_full((n,), fill, dtype)
     return lambda name, n, dtype, fill: torch.full((n,), fill, dtype=dtype, device=device)
 
 
@@ -55,7 +58,7 @@ class HashIndex:
         self.digests = alloc("digests", n, torch.uint8, 0)
         self.written = alloc("written", n, torch.int64, 0)
         """Table step of each slot's last write (insert, optimizer update, assign, load)."""
-        self.pins = torch.full((n,), PIN_FREE, dtype=torch.int32, device=device)
+        self.pins = device_alloc(device)("pins", n, torch.int32, PIN_FREE)
         self.counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=device)
         self.counts[C_SIZE_DELTA] = int((self.digests >= 2).sum())  # a reopened store has rows
         self._held = 0

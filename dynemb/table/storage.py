@@ -19,6 +19,7 @@ import torch
 
 from dynemb.kernels.backend import NUMBA
 from dynemb.table.ddr_files import DdrFiles, ddr_file_bytes
+from dynemb.table.hostmem import host_full
 from dynemb.table.pinned import mapped_in_place, pinned_zeros, upload
 
 __all__ = ["DdrFiles", "RowStore", "ddr_file_bytes"]
@@ -44,7 +45,8 @@ class RowStore:
                  backend, files: DdrFiles | None, name: str = "") -> None:
         self.dim, self.width, self.split = dim, width, hbm_rows
         self.backend = backend
-        self.hbm = torch.zeros(hbm_rows, width, dtype=torch.float32, device=device)
+        self.hbm = (host_full((hbm_rows, width), 0, torch.float32) if device.type == "cpu"
+                    else torch.zeros(hbm_rows, width, dtype=torch.float32, device=device))
         self.ddr: torch.Tensor | None = None
         # (host memory's kernels; a triton table's on CPU too, the model of its CUDA path)
         self.ddr_backend = backend if device.type == "cpu" and not backend.reads_wait else NUMBA
@@ -54,7 +56,7 @@ class RowStore:
         elif ddr_rows and device.type == "cuda":  # page-locked in chunks (table.pinned)
             self.ddr = pinned_zeros(ddr_rows, width, owner=self, name=name)
         elif ddr_rows:
-            self.ddr = torch.zeros(ddr_rows, width, dtype=torch.float32)
+            self.ddr = host_full((ddr_rows, width), 0, torch.float32)
         self.in_place = getattr(backend, "rows_in_place", False) and (
             self.ddr is None or device.type == "cpu"
             or (files is None and mapped_in_place(self.ddr)))
