@@ -184,6 +184,10 @@ class NumbaBackend:
     def restore_scores(self, ix, slots, prev):
         inb.restore_scores(_np(slots), _np(prev), _np(ix.scores))
 
+    def put_where(self, dst, idx, value):
+        d, i = _np(dst), _np(idx)
+        self._split(i.shape[0], lambda lo, hi: inb.put_where(d, i[lo:hi], value))
+
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         n = keys.numel()
         slots = torch.empty_like(keys)
@@ -313,6 +317,10 @@ class TorchBackend:
 
     def restore_scores(self, ix, slots, prev):
         ito.restore_scores(ix, slots, prev)
+
+    def put_where(self, dst, idx, value):
+        """``dst[idx] = value`` where ``idx >= 0`` (those distinct), without a host read."""
+        ito.put_where(dst, idx, value)
 
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         return ito.insert_pass(ix, keys, custom, policy, step, atomic)

@@ -178,6 +178,14 @@ def victim(iscores, pins, base, width, policy, step, score):
     return best, best_score
 
 
+@njit(cache=True, nogil=True)
+def put_where(dst, idx, value):
+    """``dst[idx] = value`` where ``idx >= 0`` (``index_torch.put_where`` on the host)."""
+    for i in range(idx.shape[0]):
+        if idx[i] >= 0:
+            dst[idx[i]] = value
+
+
 @njit(cache=True, inline="always")
 def claim_slot(ikeys, iscores, dig, pins, s, key, d, score):
     """Slot ``s`` takes ``key`` (digest ``d``) with ``score``, pinned by the running lookup (a

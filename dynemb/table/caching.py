@@ -37,7 +37,7 @@ from dynemb.config import ScorePolicy, TableConfig
 from dynemb.errors import ConfigError
 from dynemb.kernels.hashing import home_bucket, index_hash
 from dynemb.kernels.index_numba import C_EVICTED, P_LRU, P_NO_EVICTION, PIN_CACHED, PIN_FREE
-from dynemb.kernels.index_torch import dedup, put_where
+from dynemb.kernels.index_torch import dedup
 from dynemb.optim.rules import RowOptimizer
 from dynemb.table.cached_once import resolve_once
 from dynemb.table.index import HashIndex
@@ -295,9 +295,10 @@ class CachedResolver(Resolver):
             ok = rids >= 0  # (an amax leaves the flags of the others as they are)
             self.dirty.view(torch.uint8).scatter_reduce_(0, torch.where(ok, rids, 0),
                                                          ok.to(torch.uint8), "amax")
-            put_where(self.index.written, rids, step)
+            be = self.index.backend
+            be.put_where(self.index.written, rids, step)
             if stamp:
-                put_where(self.index.scores, rids, step)
+                be.put_where(self.index.scores, rids, step)
             return
         rids = rids[rids >= 0]
         cached = rids < self.row_offset

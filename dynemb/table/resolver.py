@@ -26,7 +26,6 @@ from dynemb.batch import CHANGED_BATCH, EMPTY_KEY
 from dynemb.config import ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import InputError
 from dynemb.kernels.index_numba import P_NO_EVICTION
-from dynemb.kernels.index_torch import put_where
 from dynemb.table.holds import Holding
 from dynemb.table.index import HashIndex
 from dynemb.table.lifecycle import RowLifecycle
@@ -198,9 +197,9 @@ class SingleIndexResolver(Resolver):
 
     def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         ix, step = self.table_index, self.state.step
-        put_where(ix.written, rids, step)
+        self.backend.put_where(ix.written, rids, step)
         if self.state.score == ScorePolicy.STEP:
-            put_where(ix.scores, rids, step)
+            self.backend.put_where(ix.scores, rids, step)
 
     def hold_parts(self, rids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (rids,)  # a single index: the row id is the slot
