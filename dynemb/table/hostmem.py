@@ -47,6 +47,6 @@ def advise_huge(t: torch.Tensor) -> int:
 
 def host_full(shape: tuple[int, ...], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.full(shape, fill, dtype=dtype)`` in host memory, in huge pages where given."""
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device="cpu")  # (whatever torch's default device)
     advise_huge(t)
     return t.fill_(fill)

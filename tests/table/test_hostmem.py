@@ -58,3 +58,19 @@ def _huge_bytes(start: int, end: int) -> int:
         elif inside and head == "AnonHugePages:":
             total += int(line.split()[1]) * 1024
     return total
+
+
+def test_a_cpu_table_is_on_the_host_under_another_default_device():
+    """``with torch.device(...)`` around model construction must not move a CPU table."""
+    with torch.device("meta"):
+        assert hostmem.host_full((4,), 0, torch.float32).device.type == "cpu"
+        t = dynemb.DynamicTable(dynemb.TableConfig(name="t", dim=4, features=["f"],
+                                                   capacity=64, bucket_capacity=8,
+                                                   storage=dynemb.Storage(
+                                                       mode=dynemb.StorageMode.HYBRID,
+                                                       cache_load_factor=0.5)),
+                                device=torch.device("cpu"))
+    assert t.rows.device.type == "cpu" and t.index.keys.device.type == "cpu"
+    assert t.store.ddr.device.type == "cpu"
+    t.lookup(torch.tensor([1, 2, 3]), train=True)
+    assert t.size() == 3
