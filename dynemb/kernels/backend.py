@@ -279,6 +279,10 @@ class NumbaBackend:
         r, s, o = _np(rows), _np(slots), _np(out)
         self._split(s.shape[0], lambda lo, hi: rnb.gather(r, s[lo:hi], dim, o[lo:hi]))
 
+    def scatter(self, rows, slots, values, start):
+        r, s, v = _np(rows), _np(slots), _np(values.contiguous())
+        self._split(s.shape[0], lambda lo, hi: rnb.scatter(r, s[lo:hi], v[lo:hi], start))
+
     def copy_rows(self, src, src_rows, dst, dst_rows):
         a, ai, b, bi = _np(src), _np(src_rows), _np(dst), _np(dst_rows)
         self._split(ai.shape[0], lambda lo, hi: rnb.copy_rows(a, ai[lo:hi], b, bi[lo:hi]))
@@ -349,6 +353,10 @@ class TorchBackend:
 
     def gather(self, rows, slots, dim, out):
         rto.gather(rows, slots, dim, out)
+
+    def scatter(self, rows, slots, values, start):
+        """``rows[slots[u], start:...] = values[u]`` for slots >= 0 (a host read on CUDA)."""
+        rto.scatter(rows, slots, values, start)
 
     def copy_rows(self, src, src_rows, dst, dst_rows):
         rto.copy_rows(src, src_rows, dst, dst_rows)

@@ -87,6 +87,19 @@ def gather(rows, slots, dim, out):
 
 
 @njit(cache=True, nogil=True)
+def scatter(rows, slots, values, start):
+    """``rows[slots[u], start:start + values.shape[1]] = values[u]`` for slots >= 0."""
+    n, ncols = slots.shape[0], values.shape[1]
+    for u in range(n):
+        if u + AHEAD < n:
+            prefetch_row(rows, slots[u + AHEAD], True)
+        s = slots[u]
+        if s >= 0:
+            for j in range(ncols):
+                rows[s, start + j] = values[u, j]
+
+
+@njit(cache=True, nogil=True)
 def copy_rows(src, src_rows, dst, dst_rows):
     """``dst[dst_rows[i]] = src[src_rows[i]]`` (whole rows; all indices valid; ``src`` and
     ``dst`` are different arrays: the backend copies ranges of ``i`` at once)."""

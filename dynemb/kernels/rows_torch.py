@@ -56,6 +56,11 @@ def gather(rows, slots, dim, out) -> None:
     out[ok] = rows[slots[ok], :dim]
 
 
+def scatter(rows, slots, values, start) -> None:
+    ok = slots >= 0
+    rows[slots[ok], start:start + values.shape[1]] = values[ok]
+
+
 def copy_rows(src, src_rows, dst, dst_rows) -> None:
     dst[dst_rows] = src[src_rows]
 

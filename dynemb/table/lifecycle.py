@@ -11,13 +11,15 @@ with ``on_full`` RAISE first undoes the call's step and counters (:meth:`refuse`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import zlib
+from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
 
-from dynemb.config import Initializer, OnFull, ScorePolicy, TableConfig
+from dynemb.config import Initializer, InitKind, OnFull, ScorePolicy, TableConfig
 from dynemb.errors import CapacityError
 from dynemb.kernels.hashing import GOLDEN, to_signed
 from dynemb.optim.rules import RowOptimizer
@@ -34,6 +36,9 @@ logger = logging.getLogger("dynemb.table.table")
 def _mix(init: Initializer, name: str) -> int:
     """The per-table seed of an initializer: rows differ between tables of one seed."""
     return to_signed((init.seed * GOLDEN) ^ zlib.crc32(name.encode()))
+
+
+_NO_DRAW = Initializer(kind=InitKind.CONSTANT, value=0.0)
 
 
 class RowLifecycle:
@@ -54,6 +59,7 @@ class RowLifecycle:
         self.config, self.state, self.store = config, state, store
         self.admission = admission
         self.optimizer = optimizer
+        self._assigning = False
         self.device = device
         self.init_mix = _mix(config.initializer, config.name)
         self.eval_mix = _mix(config.eval_initializer, config.name)
@@ -84,9 +90,21 @@ class RowLifecycle:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the index of every row of the
         table, whose slot 0 is global row ``offset``), written at the current step."""
         rids = upload(slots, self.device)
+        init = _NO_DRAW if self._assigning else self.config.initializer
         self.store.init(rids + offset if offset else rids, keys, self.optimizer.initial_state,
-                        self.config.initializer, self.init_mix)
+                        init, self.init_mix)
         ix.written[slots] = self.state.step
+
+    @contextlib.contextmanager
+    def assigning(self) -> Iterator[None]:
+        """While open, new rows get their optimizer state but no drawn embedding: the caller
+        writes every new row's embedding itself (``insert_or_assign``), so drawing one (most of
+        a new row's cost) would be thrown away."""
+        self._assigning = True
+        try:
+            yield
+        finally:
+            self._assigning = False
 
     def values(self, keys: torch.Tensor, rids: torch.Tensor, out: torch.Tensor | None = None, *,
                rowless: int | None = None) -> torch.Tensor:

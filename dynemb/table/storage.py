@@ -114,9 +114,11 @@ class RowStore:
                                       values.to(self.hbm), start)
             return
         stop = start + values.shape[1]
-        for _, rows, slots in self.parts(ids):
+        for be, rows, slots in self.parts(ids):
             ok = slots >= 0
-            if self.ddr is None:
+            if not be.reads_wait and rows.device == values.device:  # (reads are free here)
+                be.scatter(rows, slots, values.to(rows.dtype), start)
+            elif self.ddr is None:
                 rows[slots, start:stop] = values.to(rows)
             elif bool(ok.any()):
                 rows[slots[ok], start:stop] = values[ok.to(values.device)].to(rows)

@@ -191,14 +191,19 @@ class DynamicTable(TableChecks, TableReports):
         WARN/COUNT the other keys are assigned). Returns the rows evicted to make room."""
         keys = self._keys(keys, "insert_or_assign")
         self._check_rows(keys, values, optimizer_state, "insert_or_assign")
-        lk = self._resolve(keys, touch=True, insert=True, admit=False,
-                           custom=self._scores(scores, keys, "insert_or_assign"))
+        custom = self._scores(scores, keys, "insert_or_assign")
+        with self.life.assigning():  # (every new row's embedding is written below)
+            lk = self._resolve(keys, touch=True, insert=True, admit=False, custom=custom)
         rids = lk.unique_slots[lk.inverse]
-        ok = rids >= 0
-        self.store.write(rids[ok], values.detach()[ok].to(self.device))
-        if optimizer_state is not None:
-            self.store.write(rids[ok], optimizer_state.detach()[ok].to(self.device), self.dim)
-        self.resolver.mark_written(torch.where(ok, rids, -1))
+        given = [values] if optimizer_state is None else [values, optimizer_state]
+        rowless = lk.rowless if lk.rowless is not None else int((rids < 0).sum())
+        if rowless:  # only the keys that got a row are written
+            ok = rids >= 0
+            rids = rids[ok]
+            given = [g.detach()[ok.to(g.device)] for g in given]
+        for g, start in zip(given, (0, self.dim)):
+            self.store.write(rids, g.detach().to(self.device), start)
+        self.resolver.mark_written(lk.unique_slots)
         return lk.evicted
 
     @writes
