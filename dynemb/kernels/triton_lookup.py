@@ -195,7 +195,7 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
     hit = found >= 0
     miss_hbm = ~hit & (b < ix.split)
     counts = [hit & (found < hbm_rows), hit & (found >= hbm_rows), miss_hbm, ~hit & ~miss_hbm]
-    slots, inserted, fresh_n, nums_reserved, ins = found, None, None, [], None
+    slots, inserted, fresh_n, nums_insert, ins = found, None, None, [], None
     ev_n = failed = torch.zeros((), dtype=torch.int64, device=dev)
     if insert:
         # (the reserved empty key, in a batch changed after it was checked, never gets a row:
@@ -209,7 +209,7 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
             ix, keys, custom, policy, step, atomic, only=admitted, hashed=(b, d, start))
         slots = torch.where(hit, found, new)
         failed = fails.sum() + reserved.sum()
-        nums_reserved = [reserved.sum(), (miss & ~admitted).sum()]
+        nums_insert = [reserved.sum(), (miss & ~admitted).sum()]  # (reserved, rejected)
         (ev_k, ev_s, ev_sc), ev_n = compact(evicted, ev_keys, new, ev_scores)
         (fresh,), fresh_n = compact(inserted, torch.arange(n, device=dev))
         ins = (new, inserted, evicted, ev_scores)
@@ -224,7 +224,7 @@ def lookup(be, ix, keys, custom, policy, step, *, touch: bool, insert: bool, ato
     rowless = (uslots[:n] < 0) & entry
     away = rowless | ((uslots[:n] >= hbm_rows) & entry)
     nums = [u, ev_n, failed, away.sum(), rowless.sum(), *(c.sum() for c in counts),
-            *nums_reserved]
+            *nums_insert]
     if fresh_n is not None:
         nums.append(fresh_n)
     if carried is not None:

@@ -115,12 +115,11 @@ class RowStore:
             return
         stop = start + values.shape[1]
         for be, rows, slots in self.parts(ids):
-            ok = slots >= 0
             if not be.reads_wait and rows.device == values.device:  # (reads are free here)
                 be.scatter(rows, slots, values.to(rows.dtype), start)
             elif self.ddr is None:
                 rows[slots, start:stop] = values.to(rows)
-            elif bool(ok.any()):
+            elif bool((ok := slots >= 0).any()):
                 rows[slots[ok], start:stop] = values[ok.to(values.device)].to(rows)
 
     def fetch(self, ddr_rows: torch.Tensor, hbm_rows: torch.Tensor) -> None:

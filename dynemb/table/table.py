@@ -195,14 +195,14 @@ class DynamicTable(TableChecks, TableReports):
         with self.life.assigning():  # (every new row's embedding is written below)
             lk = self._resolve(keys, touch=True, insert=True, admit=False, custom=custom)
         rids = lk.unique_slots[lk.inverse]
-        given = [values] if optimizer_state is None else [values, optimizer_state]
+        given = [v.detach() for v in (values, optimizer_state) if v is not None]
         rowless = lk.rowless if lk.rowless is not None else int((rids < 0).sum())
         if rowless:  # only the keys that got a row are written
             ok = rids >= 0
             rids = rids[ok]
-            given = [g.detach()[ok.to(g.device)] for g in given]
+            given = [g[ok.to(g.device)] for g in given]
         for g, start in zip(given, (0, self.dim)):
-            self.store.write(rids, g.detach().to(self.device), start)
+            self.store.write(rids, g.to(self.device), start)
         self.resolver.mark_written(lk.unique_slots)
         return lk.evicted
 
