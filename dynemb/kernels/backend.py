@@ -413,11 +413,7 @@ class TritonBackend(TorchBackend):
             ix, keys.contiguous(), custom.contiguous(), policy, step, atomic)
         if atomic and bool(failed.any()):  # nothing was written: nothing to count
             return slots, torch.zeros_like(inserted), (_EMPTY, _EMPTY, _EMPTY)
-        c = ix.counts  # tensor adds: no device sync
-        c[inb.C_INSERTED] += inserted.sum()
-        c[inb.C_EVICTED] += evicted.sum()
-        c[inb.C_FAILED] += failed.sum()
-        c[inb.C_SIZE_DELTA] += (inserted & ~evicted).sum()
+        self._ix.count_insert(ix, inserted, evicted, failed)
         return slots, inserted, (ev_keys[evicted], slots[evicted], ev_scores[evicted])
 
     def erase(self, ix, keys):

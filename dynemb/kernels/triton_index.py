@@ -40,7 +40,10 @@ except ImportError:  # pragma: no cover - the pinned install has it
     triton = tl = None
 
 from dynemb.kernels.hashing import digest_of, home_bucket, index_hash
-from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, PIN_FREE, PIN_HELD
+from dynemb.kernels.index_numba import (
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION,
+    PIN_FREE, PIN_HELD,
+)
 
 MAX_SCORE = torch.iinfo(torch.int64).max
 
@@ -226,4 +229,14 @@ def insert(ix, keys, custom, policy: int, step: int, atomic: bool,
     return slots, inserted, evicted, ev_keys, ev_scores, failed
 
 
-__all__ = ["available", "hashes", "insert", "interpreted", "jit", "probe"]
+def count_insert(ix, inserted: torch.Tensor, evicted: torch.Tensor, failed: torch.Tensor) -> None:
+    """Adds what :func:`insert` did (its per-occurrence flags) to ``ix.counts``: tensor adds on
+    the device, no read."""
+    c = ix.counts
+    c[C_INSERTED] += inserted.sum()
+    c[C_EVICTED] += evicted.sum()
+    c[C_FAILED] += failed.sum()
+    c[C_SIZE_DELTA] += (inserted & ~evicted).sum()
+
+
+__all__ = ["available", "count_insert", "hashes", "insert", "interpreted", "jit", "probe"]

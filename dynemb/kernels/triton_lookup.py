@@ -149,11 +149,7 @@ def _count_sightings(adm, keys: torch.Tensor, miss: torch.Tensor, got_row: torch
                             BLOCK=_BLOCK)
     new, inserted, evicted, _, ev_scores, failed = tix.insert(
         cix, keys, _NO_SCORES.to(keys.device), P_LFU, 0, False, only=rest & (found < 0))
-    c = cix.counts
-    c[C_INSERTED] += inserted.sum()
-    c[C_EVICTED] += evicted.sum()
-    c[C_FAILED] += failed.sum()
-    c[C_SIZE_DELTA] += (inserted & ~evicted).sum()
+    tix.count_insert(cix, inserted, evicted, failed)
     adm.forget_on_device(torch.where(evicted, ev_scores, 0).sum() + failed.sum())
     release(cix, torch.where(found >= 0, found, new))
 
