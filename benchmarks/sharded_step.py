@@ -6,7 +6,9 @@ and one torch thread each; hash_roundrobin routing), each rank feeding its own B
 against one process running ``dynemb.EmbeddingBagCollection`` on the whole global batch of B
 samples (the baseline), both measured in this run. Also measured: one process on one rank's
 B/W samples with a table of capacity/W rows (the step a rank would take if communication were
-free), which bounds what sharding can gain.
+free), which bounds what sharding can gain. And the sharded run once more with the requesters
+grouping their ids by owner the way other devices do (``torch.unique`` and stable sorts, what
+the CPU path did before its compiled pass): the baseline of rank 0's input-distribution stage.
 
 Workload: one table, one pooled SUM feature, global batch ``--batch-size`` bags of
 ``--bag-size`` Zipf(1.05) ids over ``--universe`` ids (scrambled); loss = sum of the outputs.
@@ -121,8 +123,11 @@ def _times(seconds: list[float], ids_per_step: int) -> dict:
 
 # ---------------------------------------------------------------------------- sharded ranks
 
-def _rank(rank: int, args, opt: str, port: int, out: str) -> None:
+def _rank(rank: int, args, opt: str, port: int, out: str, torch_grouping: bool) -> None:
     torch.set_num_threads(1)
+    if torch_grouping:  # the baseline: the grouping of any device (torch.unique, stable sorts)
+        from dynemb.distributed import input_dist
+        input_dist._group = input_dist._group_torch
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=120))
@@ -159,14 +164,16 @@ def _rank(rank: int, args, opt: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def sharded(args, opt: str) -> dict:
-    """One spawned run of W ranks: the slowest rank's seconds per step, per-rank times, stats."""
+def sharded(args, opt: str, torch_grouping: bool = False) -> dict:
+    """One spawned run of W ranks: the slowest rank's seconds per step, per-rank times, stats
+    (``torch_grouping``: the requesters group their ids with the torch path, not the compiled
+    pass)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
-        mp.start_processes(_rank, args=(args, opt, port, out), nprocs=args.world_size,
+        mp.start_processes(_rank, args=(args, opt, port, out, torch_grouping), nprocs=args.world_size,
                            start_method="spawn", join=True)
         return json.loads(Path(out).read_text())
 
@@ -174,7 +181,7 @@ def sharded(args, opt: str) -> dict:
 def measure(args, opt: str) -> dict:
     """``--rounds`` rounds of: one process (global batch), one process (one rank's batch), W
     ranks; the step times of each are pooled over the rounds."""
-    one, local, shard_runs = [], [], []
+    one, local, shard_runs, torch_runs = [], [], [], []
     for r in range(args.rounds):
         log(f"sharded_step: {opt} round {r}: one process, global batch")
         times, one_load = single_process(args, opt, local=False)
@@ -184,6 +191,8 @@ def measure(args, opt: str) -> dict:
         local += times
         log(f"sharded_step: {opt} round {r}: {args.world_size} gloo ranks")
         shard_runs.append(sharded(args, opt))
+        log(f"sharded_step: {opt} round {r}: {args.world_size} gloo ranks, torch grouping")
+        torch_runs.append(sharded(args, opt, torch_grouping=True))
     ids = args.batch_size * args.bag_size
     st = shard_runs[-1]["stats"]
     t = st["tables"]["t"]
@@ -191,9 +200,7 @@ def measure(args, opt: str) -> dict:
     shard.update({
         "per_rank_step_ms": [summary_ms([x for run in shard_runs for x in run["per_rank"][k]])
                              ["median_ms"] for k in range(args.world_size)],
-        "rank0_stage_ms": {name: summary_ms([st[i] for run in shard_runs
-                                             for st in run["stages"][0]])["median_ms"]
-                           for i, name in enumerate(STAGES)},
+        "rank0_stage_ms": _stages(shard_runs),
         "bytes_sent_per_step_per_rank": [b / st["steps"] for b in st["bytes_sent"]],
         "ids_received_max_over_mean": t["ids_max_over_mean"],
         "unique_keys_received_max_over_mean": t["unique_keys_max_over_mean"],
@@ -202,7 +209,16 @@ def measure(args, opt: str) -> dict:
     return {"single_process_global_batch": {**_times(one, ids), "load_factor": one_load},
             "single_process_one_rank_batch": {**_times(local, ids // args.world_size),
                                               "load_factor": local_load},
-            f"sharded_{args.world_size}_ranks": shard}
+            f"sharded_{args.world_size}_ranks": shard,
+            f"sharded_{args.world_size}_ranks_torch_grouping": {
+                **_times([x for run in torch_runs for x in run["slowest"]], ids),
+                "rank0_stage_ms": _stages(torch_runs)}}
+
+
+def _stages(runs: list[dict]) -> dict:
+    """Medians of rank 0's stages over the runs, in ms."""
+    return {name: summary_ms([st[i] for run in runs for st in run["stages"][0]])["median_ms"]
+            for i, name in enumerate(STAGES)}
 
 
 def main(argv=None) -> dict:
@@ -214,12 +230,16 @@ def main(argv=None) -> dict:
         rec = measure(args, opt)
         one, local = rec["single_process_global_batch"], rec["single_process_one_rank_batch"]
         shard = rec[f"sharded_{args.world_size}_ranks"]
+        torch_grouped = rec[f"sharded_{args.world_size}_ranks_torch_grouping"]
         results.append({
             "optimizer": opt, **rec,
             "ratios": {
                 "speedup_sharded_vs_single_process": ratio(one["step_ms"], shard["step_ms"]),
                 "communication_overhead_ms": shard["step_ms"] - local["step_ms"],
                 "ideal_speedup_without_communication": ratio(one["step_ms"], local["step_ms"]),
+                "input_dist_vs_torch_grouping": ratio(
+                    shard["rank0_stage_ms"]["input_dist"],
+                    torch_grouped["rank0_stage_ms"]["input_dist"]),
             }})
     record = {
         "benchmark": "sharded_step",
@@ -249,6 +269,9 @@ def main(argv=None) -> dict:
             "all-to-alls; lookup_pool_output_dist: owner lookup + pooling + partials all-to-all "
             "+ assembly; backward_update: gradient all-to-all, pooling backward, fused update); "
             "waits for the other rank land in the stage that waits",
+            "sharded_*_torch_grouping: the sharded run again, the requesters grouping their ids "
+            "by owner with the torch path (torch.unique, stable sorts) instead of the compiled "
+            "pass; ratios.input_dist_vs_torch_grouping compares rank 0's input_dist stages",
         ],
         "results": results,
     }

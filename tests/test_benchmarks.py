@@ -158,6 +158,9 @@ def test_sharded_step_smoke(tmp_path):
         assert set(sh["rank0_stage_ms"]) == {"input_dist", "lookup_pool_output_dist",
                                              "backward_update"}
         assert all(map(positive, sh["rank0_stage_ms"].values()))
+        base = r["sharded_2_ranks_torch_grouping"]
+        assert positive(base["step_ms"]) and all(map(positive, base["rank0_stage_ms"].values()))
+        assert positive(r["ratios"]["input_dist_vs_torch_grouping"])
         assert all(n > 0 for n in sh["rows_stored"])
         assert positive(r["ratios"]["speedup_sharded_vs_single_process"])
         assert positive(r["ratios"]["ideal_speedup_without_communication"])
