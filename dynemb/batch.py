@@ -27,7 +27,7 @@ def check_keys(keys: torch.Tensor, where: str) -> None:
                          "convert integer ids with .long() (float or bool ids are not ids).")
     if keys.dim() != 1:
         raise InputError(f"{where}: expected a 1-D tensor of ids, found shape {tuple(keys.shape)}.")
-    if keys.numel() and bool((keys == EMPTY_KEY).any()):
+    if keys.numel() and int(keys.min()) == EMPTY_KEY:  # (the int64 minimum: a min finds it)
         raise InputError(f"{where}: found the reserved empty key {EMPTY_KEY} (int64 minimum) "
                          "among the ids; map it to another id before lookup.")
 

@@ -122,11 +122,14 @@ class RowLifecycle:
             self.store.gather(rids, dim, out)
             return out
         self.store.gather(rids, dim, out)
-        missing = torch.nonzero(rids < 0).flatten()
-        if missing.numel():
-            self.store.backend.init_rows(out, missing, keys[missing], dim, 0.0,
-                                         self.config.eval_initializer, self.eval_mix)
+        self.eval_at(keys, torch.nonzero(rids < 0).flatten(), out)
         return out
+
+    def eval_at(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[p]`` = the eval-initializer row of ``keys[p]`` for each of ``positions``."""
+        if positions.numel():
+            self.store.backend.init_rows(out, positions, keys[positions], self.config.dim, 0.0,
+                                         self.config.eval_initializer, self.eval_mix)
 
     def eval_rows(self, keys: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (N, dim) = the eval-initializer rows of ``keys`` (N,) (keys without a row)."""

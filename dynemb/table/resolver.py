@@ -74,6 +74,13 @@ class Resolver(Holding):
         """Global row id of each key (N,) or -1, touching nothing."""
         raise NotImplementedError
 
+    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
+                    ) -> tuple[torch.Tensor, int] | None:
+        """:meth:`locate` that also writes each found key's embedding into ``out`` (N, dim), in
+        one pass: (row ids, the positions of the -1s), or None where this resolver has no such
+        pass (``out`` then unwritten)."""
+        return None
+
     def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         """Rows ``rids`` (distinct; -1 for none) were written at the current step: their write
         step, a STEP score (and a cached row's dirty flag). ``cached_only``: every row is an
@@ -194,6 +201,13 @@ class SingleIndexResolver(Resolver):
 
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         return self.table_index.find(keys)
+
+    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
+                    ) -> tuple[torch.Tensor, int] | None:
+        fused, st = getattr(self.backend, "find_rows", None), self.store
+        if fused is None:  # (the compiled CPU backend has it)
+            return None
+        return fused(self.table_index, keys, st.hbm, st.ddr, st.split, st.dim, out)
 
     def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         ix, step = self.table_index, self.state.step

@@ -162,8 +162,15 @@ class DynamicTable(TableChecks, TableReports):
             if out.dtype != torch.float32 or not out.is_contiguous() or out.device != self.device:
                 raise InputError(f"table {self.name!r}: find(out=) must be a contiguous float32 "
                                  f"tensor on {self.device}, found {out.dtype} on {out.device}.")
-        rids = self.locate(keys)
-        return FindResult(values=self.life.values(keys, rids, out), found=rids >= 0)
+        if out is None:
+            out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
+        fused = self.resolver.locate_rows(keys, out)
+        if fused is None:
+            rids = self.locate(keys)
+            return FindResult(values=self.life.values(keys, rids, out), found=rids >= 0)
+        rids, missing = fused
+        self.life.eval_at(keys, missing, out)
+        return FindResult(values=out, found=rids >= 0)
 
     @writes
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
