@@ -103,6 +103,14 @@ def geometry(table: DynamicTable) -> dict[str, object]:
                                         else table.admission.index.num_slots)}
 
 
+def index_layout(table: DynamicTable) -> str:
+    """Where the table's backend puts a new key in its bucket: ``"probe"`` (numba and triton:
+    linear probing from the key's start slot, which a probe reads up to the first empty slot)
+    or ``"bucket"`` (the torch reference: the bucket's first free slot, which its lookups find
+    by comparing the whole bucket). A probe backend misses most keys of a "bucket" index."""
+    return "bucket" if table.backend.name == "torch" else "probe"
+
+
 def _busy(pins: torch.Tensor) -> int:
     """Slots whose pin is a lookup's or a hold (neither free nor a cached backing row), counted
     16 M slots at a time (a bounded temporary, whatever the table's size)."""
@@ -130,7 +138,7 @@ def meta_of(table: DynamicTable) -> dict:
     """The table's geometry and scalars as they are now (``meta``)."""
     st = table.state
     score = table.lookup_score
-    return {"geometry": geometry(table), "step": st.step,
+    return {"geometry": geometry(table), "index_layout": index_layout(table), "step": st.step,
             "optimizer_step": table.optimizer.step, "counters": dict(st.settled()),
             "eviction_log_start": st.log.export()[0],
             "lookup_score": None if score is None else int(score),
@@ -169,6 +177,13 @@ def checked(table: DynamicTable, entries: dict[str, object], what: str) -> dict:
                           f"{'; '.join(diff)}. load_state_dict needs the table it was saved "
                           "from; save with dynemb.checkpoint.save and load with "
                           "dynemb.checkpoint.load to change a table's geometry.")
+    if meta.get("index_layout") == "bucket" and index_layout(table) == "probe":
+        raise ConfigError(f"{what}: the state was saved from a table on the torch backend, "
+                          "whose index puts keys anywhere in their bucket; this table's "
+                          f"{table.backend.name} kernels probe from each key's start slot and "
+                          "would miss most of its rows. Load it into a table built with "
+                          "backend='torch', or save with dynemb.checkpoint.save and load with "
+                          "dynemb.checkpoint.load (which inserts rows by key).")
     for name, live in arrays(table).items():
         t = entries[name]
         if not isinstance(t, torch.Tensor) or t.dtype != live.dtype or t.shape != live.shape:

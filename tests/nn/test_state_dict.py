@@ -292,3 +292,39 @@ def test_a_collection_never_built_saves_no_tables_and_builds_none(tmp_path):
     other = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path))
     other.load_state_dict(ebc.state_dict())
     assert not other.built
+
+
+def _rows(ebc: dynemb.EmbeddingBagCollection, name: str, keys: torch.Tensor):
+    r = ebc.tables[name].find(keys)
+    return r.found, r.values
+
+
+def test_a_torch_backend_state_is_refused_by_a_probing_backend_and_moves_by_checkpoint(
+        tmp_path):
+    """The torch reference puts a key in its bucket's first free slot, numba and triton probe
+    from its start slot: a torch state loaded slot for slot into numba would lose most rows."""
+    keys = torch.arange(0, 700, 7)  # 100 keys: most of table i's 128 rows
+    src = Model(configs("hbm_only", tmp_path))
+    src.sparse = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path), backend="torch")
+    train(src, batches(4), torch.optim.SGD(src.parameters(), lr=0.1))
+    for name in ("u", "i"):
+        src.sparse.tables[name].find_or_insert(keys)  # full buckets: keys far from their start
+    dst = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path))
+    dst.tables  # noqa: B018  (built)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ConfigError, match="backend='torch'") as e:
+        dst.load_state_dict(saved(src.sparse.state_dict()))
+    assert "dynemb.checkpoint" in str(e.value)
+    assert_equal_states(dst.state_dict(), before)
+    # the other way loads slot for slot: the reference compares whole buckets
+    back = dynemb.EmbeddingBagCollection(configs("hbm_only", tmp_path), backend="torch")
+    back.load_state_dict(saved(dst.state_dict()))
+    # and the checkpoint route inserts by key, so every row reaches the numba table
+    dynemb.checkpoint.save(tmp_path / "ck", model=src, step=4)
+    fresh = Model(configs("hbm_only", tmp_path))
+    dynemb.checkpoint.load(tmp_path / "ck", model=fresh)
+    for name in ("u", "i"):
+        found, values = _rows(fresh.sparse, name, keys)
+        want_found, want = _rows(src.sparse, name, keys)
+        assert bool(want_found.all()) and torch.equal(found, want_found)
+        assert torch.equal(values, want)
