@@ -51,18 +51,21 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
     if lengths.numel() == 0:
         total, approx = 0, 0.0
     else:
-        bad = torch.nonzero((lengths < 0) | (lengths > n)).flatten()
-        if bad.numel():
-            i = int(bad[0])
+        low, high = torch.aminmax(lengths)
+        if int(low) < 0 or int(high) > n:
+            i = int(torch.nonzero((lengths < 0) | (lengths > n))[0, 0])
             at = f"entry {i}"
             if features:
                 batch = lengths.numel() // len(features)
                 at = f"feature {features[i // batch]!r}, sample {i % batch}"
             raise InputError(f"{where}: {at}: length {int(lengths[i])}; expected a length in "
                              f"[0, {n}] (the number of ids) for every bag.")
-        total, approx = int(lengths.sum()), float(lengths.sum(dtype=torch.float64))
-    # Each term is in [0, n]: an int64 sum that wrapped means a true sum >= 2**63 > 1.5 n + 1,
-    # which the float64 sum (relative error far below 1/3 here) cannot hide.
+        total = int(lengths.sum())
+        # Each term is in [0, n]: an int64 sum that wrapped means a true sum >= 2**63 > 1.5 n +
+        # 1, which the float64 sum (relative error far below 1/3 here) cannot hide; a sum of
+        # fewer than 2**62 / n terms cannot wrap.
+        wraps = lengths.numel() * max(n, 1) >= 1 << 62
+        approx = float(lengths.sum(dtype=torch.float64)) if wraps else float(total)
     if total != n or approx > 1.5 * n + 1:
         shown = total if approx <= 1.5 * n + 1 else f"about {approx:.4g}"
         raise InputError(f"{where}: lengths sum to {shown} but there are {n} ids; expected "
@@ -70,6 +73,17 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
 
 
 CHANGED_BATCH = "was the SparseBatch changed after it was built? build a new one"
+
+
+def feature_ids(batch: SparseBatch, features: Sequence[str]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids (N,), lengths (F·B,), weights (N,) or None) of ``features``, feature after feature:
+    one feature's are views of the batch (no copy), several are joined."""
+    parts = [batch.feature(f) for f in features]
+    if len(parts) == 1:
+        return parts[0]
+    weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), weights
 
 
 def check_table_lengths(lengths: torch.Tensor, n: int, table: str) -> None:

@@ -179,7 +179,7 @@ class TableGroup:
         per_table = np.add.reduceat(sizes, firsts)
         ko = np.zeros(len(self.tables) + 1, np.int64)
         np.cumsum(per_table, out=ko[1:])
-        if keys.numel() and bool((keys == EMPTY_KEY).any()):  # the table's own message
+        if keys.numel() and int(keys.min()) == EMPTY_KEY:  # the table's own message
             i = int(np.searchsorted(ko, int(torch.nonzero(keys == EMPTY_KEY)[0]), "right")) - 1
             check_keys(keys[ko[i]:ko[i + 1]], f"table {self.tables[i].name!r}: lookup")
         ln = lengths.numpy()
