@@ -52,12 +52,18 @@ def run_parts(fn: Callable[[int], object], parts: int) -> list:
     raises the first part's error if any failed."""
     if parts <= 1:
         return [fn(0)]
-    futures: list[Future] = [_executor().submit(fn, p) for p in range(1, parts)]
+    futures: list[Future] = []
+    try:
+        for p in range(1, parts):
+            futures.append(_executor().submit(fn, p))
+    except RuntimeError:  # the pool takes no more work (the interpreter is exiting, and an exit
+        pass              # hook such as a ddr store's flush runs a kernel): the rest run here
     try:
         first = fn(0)
+        rest = [fn(p) for p in range(len(futures) + 1, parts)]
     finally:
         wait(futures)  # no part may still be running when this returns or raises
-    return [first, *(f.result() for f in futures)]
+    return [first, *(f.result() for f in futures), *rest]
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:

@@ -121,3 +121,13 @@ def test_run_parts_waits_for_every_part_and_raises_a_parts_error():
     assert sorted(ended) == [0, 2]
     assert threads.run_parts(lambda p: p * 10, 3) == [0, 10, 20]
     assert threads.ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_run_parts_runs_the_parts_itself_once_the_pool_takes_no_work(monkeypatch):
+    """At interpreter exit Python stops thread pools before exit hooks (a ddr store's flush)
+    run their kernels: the parts then run on the calling thread, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    stopped = ThreadPoolExecutor(2)
+    stopped.shutdown()
+    monkeypatch.setattr(threads, "_executor", lambda: stopped)
+    assert threads.run_parts(lambda p: p * 10, 4) == [0, 10, 20, 30]

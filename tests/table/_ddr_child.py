@@ -17,13 +17,18 @@ from dynemb.errors import ConfigError
 EXIT_REFUSED = 3  # the table could not be built: the ConfigError is printed
 
 
-def config(directory, *, reopen=False, capacity: int = 256) -> dynemb.TableConfig:
+def config(directory, *, reopen=False, capacity: int = 256,
+           threads: int | None = None) -> dynemb.TableConfig:
     """The store every test uses: a CACHING table (a quarter cached) with its files in
     ``directory``."""
     storage = Storage(mode=StorageMode.CACHING, cache_load_factor=0.25, ddr_path=str(directory),
                       reopen=reopen)
     return dynemb.TableConfig(name="t", dim=4, features=("f",), capacity=capacity,
-                              optimizer=Adam(lr=0.01), storage=storage)
+                              optimizer=Adam(lr=0.01), storage=storage, threads=threads)
+
+
+THREADED = {"capacity": 16384, "threads": 2}
+"""A table whose flush of 5,000 rows splits over two threads."""
 
 
 def rows(keys: torch.Tensor) -> torch.Tensor:
@@ -49,6 +54,15 @@ def _exit(directory: str) -> None:
     t = dynemb.DynamicTable(config(directory))
     t.insert_or_assign(torch.arange(200), rows(torch.arange(200)))
     assert bool(t.cache.dirty.any())
+    print("exiting", flush=True)
+
+
+def _exit_threaded(directory: str) -> None:
+    """:func:`_exit` with 5,000 dirty rows and two threads: the flush at exit runs after
+    Python has stopped its thread pools."""
+    t = dynemb.DynamicTable(config(directory, **THREADED))
+    t.insert_or_assign(torch.arange(5000), rows(torch.arange(5000)))
+    assert int(t.cache.dirty.sum()) > 2048
     print("exiting", flush=True)
 
 
@@ -79,4 +93,5 @@ def _small(directory: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"crash": _crash, "exit": _exit, "open": _open, "small": _small}[sys.argv[1]](sys.argv[2])
+    {"crash": _crash, "exit": _exit, "exit_threaded": _exit_threaded, "open": _open,
+     "small": _small}[sys.argv[1]](sys.argv[2])

@@ -285,12 +285,14 @@ def test_a_table_with_ddr_files_cannot_be_copied_or_pickled(tmp_path):
 # ---------------------------------------------------------------- flush at interpreter exit
 
 
-def test_an_open_table_is_flushed_and_closed_at_interpreter_exit(tmp_path):
-    r = _child("exit", tmp_path)
-    assert r.returncode == 0 and "exiting" in r.stdout, r.stderr
-    t = dynemb.DynamicTable(C.config(tmp_path, reopen=True))
-    found = t.find(torch.arange(200))
-    assert found.found.all() and torch.equal(found.values, C.rows(torch.arange(200)))
+@pytest.mark.parametrize("command, n, kw", [("exit", 200, {}),
+                                             ("exit_threaded", 5000, C.THREADED)])
+def test_an_open_table_is_flushed_and_closed_at_interpreter_exit(command, n, kw, tmp_path):
+    r = _child(command, tmp_path)
+    assert r.returncode == 0 and "exiting" in r.stdout and not r.stderr, r.stderr
+    t = dynemb.DynamicTable(C.config(tmp_path, reopen=True, **kw))
+    found = t.find(torch.arange(n))
+    assert found.found.all() and torch.equal(found.values, C.rows(torch.arange(n)))
     t.close()
 
 
