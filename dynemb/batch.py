@@ -75,15 +75,6 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
 CHANGED_BATCH = "was the SparseBatch changed after it was built? build a new one"
 
 
-def feature_ids(batch: SparseBatch, features: Sequence[str]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(ids (N,), lengths (F·B,), weights (N,) or None) of ``features``, feature after feature:
-    one feature's are views of the batch (no copy), several are joined."""
-    parts = [batch.feature(f) for f in features]
-    if len(parts) == 1:
-        return parts[0]
-    weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), weights
 
 
 def check_table_lengths(lengths: torch.Tensor, n: int, table: str) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from dynemb.batch import SparseBatch, check_table_lengths, feature_ids
+from dynemb.batch import SparseBatch, check_table_lengths
 from dynemb.config import Routing, ScorePolicy, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.routing import continuous_block, route_table
@@ -94,12 +94,13 @@ def table_ids(config: TableConfig, batch: SparseBatch, device: torch.device
 
     Raises InputError if the lengths no longer match the ids (a batch changed after it was built).
     """
-    keys, lengths, weights = feature_ids(batch, config.features)
-    keys = keys.to(device)
-    lengths = lengths.to(device=device, dtype=torch.int64)
+    parts = [batch.feature(f) for f in config.features]
+    keys = torch.cat([p[0] for p in parts]).to(device)
+    lengths = torch.cat([p[1] for p in parts]).to(device=device, dtype=torch.int64)
     check_table_lengths(lengths, keys.numel(), config.name)
-    if weights is not None:
-        weights = weights.detach().to(device=device, dtype=torch.float32)
+    weights = None
+    if batch.weights is not None:
+        weights = torch.cat([p[2] for p in parts]).detach().to(device=device, dtype=torch.float32)
     return keys, lengths, weights
 
 

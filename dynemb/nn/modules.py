@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynemb.batch import (
-    SparseBatch, check_feature_policy, check_keys, check_table_lengths, feature_ids,
-)
+from dynemb.batch import SparseBatch, check_feature_policy, check_keys, check_table_lengths
 from dynemb.config import PoolingMode, TableConfig
 from dynemb.errors import ConfigError, InputError
 from dynemb.interop import bag_configs, is_kjt, sequence_configs
@@ -435,12 +433,15 @@ class _Collection(TablesStayPut):
         """All ids of ``table``'s features, feature after feature: (keys (N,), lengths (F·B,)
         int64, weights (N,) or None), on the module's device, checked against each other (a
         batch whose tensors were changed after construction must not reach the kernels)."""
-        keys, lengths, weights = feature_ids(batch, table.config.features)
+        parts = [batch.feature(f) for f in table.config.features]
+        keys = torch.cat([p[0] for p in parts])
+        lengths = torch.cat([p[1] for p in parts])
         if not table.backend.reads_wait:  # the triton kernels are safe with any lengths, and
             check_keys(keys, f"table {table.name!r}: lookup")  # a check waits for the GPU
             check_table_lengths(lengths, keys.numel(), table.name)
         keys = keys.to(self.device)
         lengths = lengths.to(self.device, torch.int64).contiguous()
+        weights = None if batch.weights is None else torch.cat([p[2] for p in parts])
         return keys, lengths, weights
 
 

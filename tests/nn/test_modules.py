@@ -292,3 +292,36 @@ def test_a_nan_loss_in_one_sample_reaches_no_row(backend, kind, nonfinite):
         assert not torch.equal(after[1], before[1]) and not torch.equal(after[2], before[2])
         assert all(bool(torch.isfinite(r).all()) for r in after.values())
     assert table.stats().nonfinite_grads == 1
+
+
+@pytest.mark.parametrize("backend, grad, sharded", [("torch", False, False), ("numba", True, False),
+                                                   ("numba", False, True)])
+def test_a_batch_refilled_between_forward_and_backward_does_not_reach_backward(
+        backend, grad, sharded, request):
+    """A loader may refill its buffers once forward has run: backward reads the ids, lengths
+    and weights forward took (copies), never the batch's tensors as they are then (single
+    process, and sharded over a gloo group of one)."""
+    if sharded:
+        request.getfixturevalue("group_of_one")
+
+    def run(refill: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg = dynemb.TableConfig(name="t", dim=2, features=["f"], capacity=64,
+                                 optimizer=dynemb.SGD(lr=1.0), pooling=dynemb.PoolingMode.MEAN)
+        ebc = dynemb.EmbeddingBagCollection([cfg], backend=backend)
+        if sharded:
+            ebc = dynemb.distributed.shard(ebc)
+        lengths = torch.tensor([2, 0, 1])
+        weights = torch.tensor([1.0, 2.0, 3.0], requires_grad=grad)
+        batch = dynemb.SparseBatch(features=["f"], values=torch.tensor([5, 6, 7]),
+                                   lengths=lengths, weights=weights)
+        out = ebc(batch).values()
+        if refill:
+            with torch.no_grad():
+                lengths.copy_(torch.tensor([1, 1, 1]))
+                weights.fill_(100.0)
+        out.sum().backward()
+        return ebc.tables["t"].find(torch.tensor([5, 6, 7])).values, weights.grad
+
+    (rows, wgrad), (rows_refilled, wgrad_refilled) = run(False), run(True)
+    assert torch.equal(rows, rows_refilled)
+    assert (wgrad is None and wgrad_refilled is None) or torch.equal(wgrad, wgrad_refilled)
