@@ -60,10 +60,21 @@ def run_parts(fn: Callable[[int], object], parts: int) -> list:
         pass              # hook such as a ddr store's flush runs a kernel): the rest run here
     try:
         first = fn(0)
-        rest = [fn(p) for p in range(len(futures) + 1, parts)]
+        futures += [_here(fn, p) for p in range(len(futures) + 1, parts)]
     finally:
         wait(futures)  # no part may still be running when this returns or raises
-    return [first, *(f.result() for f in futures), *rest]
+    return [first, *(f.result() for f in futures)]
+
+
+def _here(fn: Callable[[int], object], p: int) -> Future:
+    """``fn(p)`` run on this thread, its result or error kept as a pool's part would keep it
+    (so the first part's error is the one raised)."""
+    done: Future = Future()
+    try:
+        done.set_result(fn(p))
+    except BaseException as e:  # noqa: BLE001  (raised by result(), in part order)
+        done.set_exception(e)
+    return done
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:

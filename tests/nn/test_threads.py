@@ -131,3 +131,25 @@ def test_run_parts_runs_the_parts_itself_once_the_pool_takes_no_work(monkeypatch
     stopped.shutdown()
     monkeypatch.setattr(threads, "_executor", lambda: stopped)
     assert threads.run_parts(lambda p: p * 10, 4) == [0, 10, 20, 30]
+
+    class TakesOne:  # a pool that takes one part, then refuses
+        def __init__(self) -> None:
+            self.pool, self.taken = ThreadPoolExecutor(1), 0
+
+        def submit(self, fn, *args):
+            if self.taken:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self.taken += 1
+            return self.pool.submit(fn, *args)
+
+    def part(p):
+        if p in (1, 3):  # part 1 on the pool, part 3 here
+            raise ValueError(f"part {p} failed")
+        return p
+
+    pool = TakesOne()
+    monkeypatch.setattr(threads, "_executor", lambda: pool)
+    with pytest.raises(ValueError, match="part 1 failed"):  # the first part's error
+        threads.run_parts(part, 4)
+    assert threads.run_parts(lambda p: p, 4) == [0, 1, 2, 3] and pool.taken == 1
+    pool.pool.shutdown()
