@@ -173,8 +173,8 @@ def sharded(args, opt: str, torch_grouping: bool = False) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
-        mp.start_processes(_rank, args=(args, opt, port, out, torch_grouping), nprocs=args.world_size,
-                           start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(args, opt, port, out, torch_grouping),
+                           nprocs=args.world_size, start_method="spawn", join=True)
         return json.loads(Path(out).read_text())
 
 

@@ -75,8 +75,6 @@ def check_lengths(lengths: torch.Tensor, n: int, where: str,
 CHANGED_BATCH = "was the SparseBatch changed after it was built? build a new one"
 
 
-
-
 def check_table_lengths(lengths: torch.Tensor, n: int, table: str) -> None:
     """:func:`check_lengths` of one table's bags against its ``n`` ids, naming the table and
     the likely cause (a batch whose tensors were changed after it was validated)."""

@@ -75,7 +75,7 @@ class Resolver(Holding):
         raise NotImplementedError
 
     def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
-                    ) -> tuple[torch.Tensor, int] | None:
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`locate` that also writes each found key's embedding into ``out`` (N, dim), in
         one pass: (row ids, the positions of the -1s), or None where this resolver has no such
         pass (``out`` then unwritten)."""
@@ -203,7 +203,7 @@ class SingleIndexResolver(Resolver):
         return self.table_index.find(keys)
 
     def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
-                    ) -> tuple[torch.Tensor, int] | None:
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         fused, st = getattr(self.backend, "find_rows", None), self.store
         if fused is None:  # (the compiled CPU backend has it)
             return None
