@@ -217,6 +217,7 @@ class TrainPipeline:
         try:
             data = self._fill(self.lead + 1)
             step = self._run() if self._inflight else None
+            self._set_mode(self._training)  # back to the mode asked for: a switch shows against it
         except BaseException as e:
             self._fail(e)
             if isinstance(e, StopIteration):  # not the iterator's end: the step's own code
@@ -236,6 +237,7 @@ class TrainPipeline:
         try:
             while self._inflight:
                 steps.append(self._run())
+            self._set_mode(self._training)
         except BaseException as e:
             self._fail(e)
             if isinstance(e, StopIteration):
@@ -411,6 +413,9 @@ class TrainPipeline:
                 c.train(m)
 
     def _set_mode(self, training: bool) -> None:
+        """Puts the model in ``training`` mode: a batch's own while it runs, then the mode
+        batches are pulled in (what ``progress`` compares ``model.training`` with to see a
+        switch the user made between calls)."""
         self.model.train(training)
         self._applied = training
 

@@ -214,6 +214,27 @@ def test_eval_batches_update_nothing_and_mode_switches_affect_later_pulls():
     assert torch.equal(s0.loss, want[0]) and torch.equal(s1.loss, want[1])
 
 
+@pytest.mark.parametrize("kind", ["sparse_dist", "fused_sparse_dist", "semi_sync", "prefetch"])
+def test_model_eval_then_model_train_between_calls_switches_back(kind):
+    """A short ``model.eval()`` then ``model.train()`` between ``progress`` calls evaluates the
+    batches pulled meanwhile and trains again after: the model is left in the mode batches are
+    pulled in, so the switch back is seen (it was lost once, and training stopped silently)."""
+    model, dense = P.build("sgd", caching=kind == "prefetch")
+    modes = []
+    with pipeline(kind, model=model, optimizer=dense, loss_fn=P.loss_fn) as pipe:
+        it = iter(P.batches(10, seed=1))
+        for k in range(10):
+            if k == 3:
+                model.eval()
+                assert not model.training
+            if k == 4:
+                model.train()
+            modes.append(pipe.progress(it).training)
+            assert model.training == (k != 3)  # as the user left it
+    evaluated = [i for i, m in enumerate(modes) if not m]
+    assert evaluated == [3 + pipe.lead]
+
+
 def test_a_forward_that_skips_or_copies_the_sparse_batch_raises_naming_the_collection():
     model, dense = P.build("sgd")
 
