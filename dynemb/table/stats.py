@@ -36,6 +36,9 @@ class Lookup:
     ``apply_gradients``): no later call evicts them."""
     holds: Holds | None = field(default=None, repr=False, compare=False)
     """What the lookup holds, while it does (the table's record, shared by copies)."""
+    table: int | None = field(default=None, repr=False, compare=False)
+    """The token of the table that made it (``DynamicTable.token``), None where unknown:
+    ``apply_gradients`` refuses another table's lookup before changing anything."""
 
 
 class Holds:

@@ -13,6 +13,8 @@ The table owns its configuration, row store and optimizer, and delegates to thre
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from dynemb.batch import all_finite
@@ -33,6 +35,10 @@ from dynemb.table.scratch import Scratch
 from dynemb.table.state import TableState
 from dynemb.table.stats import Evicted, ExportBatch, FindResult, InsertResult, Lookup
 from dynemb.table.storage import DdrFiles, RowStore, ddr_file_bytes
+
+
+_TOKENS = itertools.count(1)
+"""Each table's ``token`` (its lookups carry it)."""
 
 
 def canonical_device(device: torch.device | str | None) -> torch.device:
@@ -91,6 +97,8 @@ class DynamicTable(TableChecks, TableReports):
                               config.dim + self.optimizer.state_width, self.device, self.backend,
                               files, config.name)
         self.state = TableState(config.score, self.device)
+        self.token = next(_TOKENS)
+        """Tells this table's lookups from another table's (a copy of the table keeps it)."""
         self.log = self.state.log
         self.admission = (None if config.admission is None
                           else AdmissionFilter(config.admission, self.device, self.backend))
@@ -356,6 +364,7 @@ class DynamicTable(TableChecks, TableReports):
             custom = torch.full_like(keys, int(self.lookup_score))
         lk = self._resolve(keys, touch=train, insert=train, admit=True, custom=custom,
                            keep_evicted=keep_evicted)
+        lk.table = self.token
         if hold:
             self.resolver.hold(lk)
         return lk
@@ -410,7 +419,11 @@ class DynamicTable(TableChecks, TableReports):
         ``clip=False`` skips ``max_grad_norm`` clipping (a sharded table is clipped by the norm
         over all shards before this call); clipping norms count finite rows only. Releases the
         lookup's holds (``lookup(hold=True)``) when it returns, and also when it raises: the
-        lookup is spent either way."""
+        lookup is spent either way. Raises InputError, changing nothing, for another table's
+        lookup, and for ``grads`` of another shape or device (releasing the lookup's holds)."""
+        if lk.table is not None and lk.table != self.token:
+            raise InputError(f"table {self.name!r}: apply_gradients got a lookup made by another "
+                             "table; apply it on the table that looked it up (nothing changed).")
         try:
             self._apply(lk, grads, clip)
         finally:
@@ -418,6 +431,14 @@ class DynamicTable(TableChecks, TableReports):
                 self.release(lk)
 
     def _apply(self, lk: Lookup, grads: torch.Tensor, clip: bool) -> None:
+        want = (lk.unique_slots.numel(), self.dim)
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != want \
+                or not grads.is_floating_point() or grads.device != self.device:
+            found = (f"{grads.dtype} {tuple(grads.shape)} on {grads.device}"
+                     if isinstance(grads, torch.Tensor) else type(grads).__name__)
+            raise InputError(f"table {self.name!r}: apply_gradients expects grads as a float "
+                             f"tensor of shape {want} (one row per entry of the lookup) on "
+                             f"{self.device}, found {found}; nothing was updated.")
         grads = grads.to(torch.float32).contiguous()
         if self.backend.reads_wait and self.config.nonfinite != NonFinite.RAISE:
             rids = self._device_gradient_rows(lk, grads)

@@ -1012,3 +1012,26 @@ def test_export_batch_refuses_non_int_ranges(make_table):
     for bad in ((0.5, 3), ("0", 3), (0, True), (-1, 2)):
         with pytest.raises(InputError, match="export_batch"):
             t.export_batch(*bad)
+
+
+def test_apply_gradients_refuses_grads_of_another_shape_and_another_tables_lookup(make_table):
+    """A gradient of the wrong shape once crashed the compiled kernels (they trust U rows), and
+    another table's lookup updated this table's rows at its slot numbers: both are refused
+    before anything changes."""
+    t, other = make_table(capacity=64), make_table(capacity=64)
+    keys = K(1, 2, 3)
+    other.insert_or_assign(keys, torch.ones(3, 4))
+    lk = t.lookup(keys, train=True, hold=True)
+    rows, other_rows = t.find(keys).values.clone(), other.find(keys).values.clone()
+    for bad in (torch.zeros(1, 4), torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(12),
+                torch.zeros(3, 4, dtype=torch.int64), "grads"):
+        spent = t.lookup(keys, train=True, hold=True)
+        with pytest.raises(InputError, match=r"apply_gradients expects grads .* \(3, 4\)"):
+            t.apply_gradients(spent, bad)
+        assert not spent.held  # spent either way, as documented
+    with pytest.raises(InputError, match="made by another table"):
+        other.apply_gradients(lk, torch.ones(3, 4))
+    assert torch.equal(t.find(keys).values, rows)
+    assert torch.equal(other.find(keys).values, other_rows) and lk.held
+    t.apply_gradients(lk, torch.ones(3, 4))  # its own table takes it
+    assert not torch.equal(t.find(keys).values, rows) and t.held_rows() == 0
