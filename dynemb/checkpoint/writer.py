@@ -28,7 +28,7 @@ from dynemb.checkpoint.manifest import (
 from dynemb.checkpoint.paths import (
     SaveLock, check_complete, check_replaceable, owned_name, remove_abandoned,
 )
-from dynemb.checkpoint.schema import FileSpec
+from dynemb.checkpoint.schema import INT64_MAX, FileSpec
 from dynemb.checkpoint.model import ModelView, TableSlot, dense_state, optimizer_type, view_model
 from dynemb.nn.staging import check_idle
 from dynemb.table.stats import ExportBatch
@@ -43,9 +43,9 @@ EXPORT_SLOTS = 1 << 16
 
 
 def _check_step(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointError(f"checkpoint: expected {name} an int >= 0 (the training step), "
-                              f"found {value!r}.")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64_MAX:
+        raise CheckpointError(f"checkpoint: expected {name} an int in [0, {INT64_MAX}] (the "
+                              f"training step), found {value!r}.")
     return value
 
 

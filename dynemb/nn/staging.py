@@ -171,7 +171,8 @@ def check_idle(model: torch.nn.Module, what: str) -> None:
             raise CheckpointError(
                 f"{what}: the pipeline {m._stages.owner} holds {m.in_flight} batch(es) in flight "
                 f"on {type(m).__name__} {name or '(the model)'!r}; call the pipeline's drain() "
-                "first (it trains them), then save, then go on with progress().")
+                "first (it trains them), then save, then go on with progress(); after a step "
+                "failed, close() the pipeline instead (its batches in flight are dropped).")
 
 
 def _mode(training: bool, grad: bool) -> str:
