@@ -18,8 +18,6 @@ from dynemb.kernels.index_numba import (
     P_NO_EVICTION, PIN_FREE, PIN_HELD,
 )
 
-_I64_MAX = torch.iinfo(torch.int64).max
-
 
 def _locate(ix, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bucket of each key, slot of each key or -1)."""
@@ -90,11 +88,12 @@ def _candidates(ix, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     slots = buckets[:, None] * w + torch.arange(w, device=buckets.device)
     free = ix.digests[slots] <= D_ERASED
     pinned = ix.pins[slots] != PIN_FREE
-    key = torch.where(free, torch.iinfo(torch.int64).min, ix.scores[slots])
-    key = torch.where(pinned & ~free, _I64_MAX, key)
-    order = torch.sort(key, dim=1, stable=True).indices
-    kind = torch.where(free, 0, torch.where(pinned, 2, 1)).gather(1, order)
-    return slots.gather(1, order), kind
+    kind = torch.where(free, 0, torch.where(pinned, 2, 1))
+    # by kind, then score (free and pinned slots by slot alone): two stable sorts, so a row
+    # whose score is the int64 minimum still sorts after every free slot
+    by_score = torch.sort(torch.where(kind == 1, ix.scores[slots], 0), dim=1, stable=True).indices
+    order = by_score.gather(1, torch.sort(kind.gather(1, by_score), dim=1, stable=True).indices)
+    return slots.gather(1, order), kind.gather(1, order)
 
 
 def _custom_victims(which, rank, score_o, cand_slots, cand_kind, scores, slot_o, evict):

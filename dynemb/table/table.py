@@ -232,6 +232,9 @@ class DynamicTable(TableChecks, TableReports):
         keys = self._keys(keys, "load_rows")
         self._check_rows(keys, embeddings, optimizer_state, "load_rows", "embeddings")
         self._check_shape("scores", scores, (keys.numel(),))
+        if scores.dtype.is_floating_point or scores.dtype == torch.bool:  # (NaN, 1.7: no score)
+            raise InputError(f"table {self.name!r}: load_rows expects integer scores, found "
+                             f"{scores.dtype}; nothing was loaded.")
         slots, failed = self.resolver.place(keys)
         if failed:
             raise CapacityError(

@@ -1035,3 +1035,19 @@ def test_apply_gradients_refuses_grads_of_another_shape_and_another_tables_looku
     assert torch.equal(other.find(keys).values, other_rows) and lk.held
     t.apply_gradients(lk, torch.ones(3, 4))  # its own table takes it
     assert not torch.equal(t.find(keys).values, rows) and t.held_rows() == 0
+
+
+def test_a_row_scored_int64_min_is_a_row_not_a_free_slot(make_table):
+    """The torch reference once sorted free slots by the int64 minimum, so a row holding that
+    (valid CUSTOM) score tied with them and was taken for free: new keys failed where numba
+    placed them. load_rows takes integer scores only (a NaN became that minimum)."""
+    t = make_table(capacity=16, bucket_capacity=16, score=CUSTOM)
+    t.find_or_insert(K(1), scores=K(-(2**63)))
+    t.find_or_insert(K(*range(2, 17)), scores=torch.zeros(15, dtype=torch.int64))
+    assert t.size() == 16 and bool(t.find(K(*range(1, 17))).found.all())
+    r = t.find_or_insert(K(99), scores=K(0))  # full: evicts the lowest score, key 1
+    assert r.evicted.keys.tolist() == [1] and t.size() == 16
+    for bad in (torch.tensor([float("nan")]), torch.tensor([1.7]), torch.tensor([True])):
+        with pytest.raises(InputError, match="load_rows expects integer scores"):
+            t.load_rows(K(500), torch.ones(1, 4), torch.zeros(1, t.optimizer.state_width), bad)
+    assert not bool(t.find(K(500)).found.any())
