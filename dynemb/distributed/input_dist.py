@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from dynemb.batch import SparseBatch, check_table_lengths
+from dynemb.batch import SparseBatch, check_keys, check_table_lengths
 from dynemb.config import Routing, ScorePolicy, TableConfig
 from dynemb.distributed import comm
 from dynemb.distributed.routing import continuous_block, route_table
@@ -92,10 +92,12 @@ def table_ids(config: TableConfig, batch: SparseBatch, device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(keys (N,), lengths (F·B,) int64, weights (N,) float32 or None) of the table's features.
 
-    Raises InputError if the lengths no longer match the ids (a batch changed after it was built).
+    Raises InputError if the ids are not int64 ids or the lengths no longer match them (a batch
+    changed after it was built).
     """
     parts = [batch.feature(f) for f in config.features]
     keys = torch.cat([p[0] for p in parts]).to(device)
+    check_keys(keys, f"table {config.name!r}: lookup")
     lengths = torch.cat([p[1] for p in parts]).to(device=device, dtype=torch.int64)
     check_table_lengths(lengths, keys.numel(), config.name)
     weights = None

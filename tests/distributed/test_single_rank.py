@@ -163,6 +163,10 @@ def test_a_batch_changed_after_construction_is_refused(group_of_one):
     batch.lengths[0] += 5
     with pytest.raises(InputError, match="changed after"):
         sharded(batch)
+    batch = H.rank_batch(CASES["hash_roundrobin-sgd"], 0, 0, 1)
+    batch.values = batch.values.int()  # as the single-process collection refuses it
+    with pytest.raises(InputError, match="expected int64 ids"):
+        sharded(batch)
     ok = H.rank_batch(CASES["hash_roundrobin-sgd"], 1, 0, 1)
     sharded(ok).values().sum().backward()  # the next step runs
 
