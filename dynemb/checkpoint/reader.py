@@ -386,11 +386,15 @@ def _apply_table(plan: LoadPlan, t: TablePlan, rank: int) -> ExportBatch | None:
         table.admission.clear()
         keys, counts = _gather_small(plan, t, t.admission, ("keys", "counts"), rank)
         if keys.numel():
-            try:
-                table.admission.load(keys.to(table.device), counts.to(table.device))
-            except CapacityError as e:
-                logger.warning("table %r: admission counters restored in part: %s",
-                               t.slot.key, e)
+            lost = table.admission.load(keys.to(table.device), counts.to(table.device),
+                                        partial=True)
+            if lost:  # (counter_capacity is per rank: fewer ranks may hold fewer counters)
+                logger.warning("table %r: admission counters restored in part: kept %d of %d; "
+                               "the rest found their buckets of the counter table (%d slots) "
+                               "full and were dropped, the lowest counts first. Raise "
+                               "Admission.counter_capacity to keep them.", t.slot.key,
+                               keys.numel() - lost, keys.numel(),
+                               table.admission.index.num_slots)
     return dropped
 
 

@@ -87,27 +87,38 @@ class AdmissionFilter:
         if keys.numel():
             self.index.backend.erase(self.index, keys)
 
-    def load(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
-        """Sets the counts of distinct ``keys`` (K,) to ``counts`` (K,) (e.g. from a checkpoint);
-        raises CapacityError if the counter table cannot hold them all without evicting."""
+    def load(self, keys: torch.Tensor, counts: torch.Tensor, *, partial: bool = False) -> int:
+        """Sets the counts of distinct ``keys`` (K,) to ``counts`` (K,) (e.g. from a checkpoint),
+        never evicting a counter. Raises CapacityError, loading nothing, if the counter table
+        cannot hold them all; with ``partial`` it keeps what fits, the highest counts first
+        (a full bucket drops its lowest), and returns how many keys it dropped."""
         ix, be = self.index, self.index.backend
         if keys.shape != counts.shape or keys.dim() != 1:
             raise InputError(f"admission counters: keys and counts must be matching 1-D "
                              f"tensors, found {tuple(keys.shape)} and {tuple(counts.shape)}.")
-        keys = keys.to(ix.keys.device, torch.int64)
+        keys, counts = keys.to(ix.keys.device, torch.int64), counts.to(ix.scores)
+        if partial:  # insertion order decides who gets a full bucket's last slots
+            order = torch.argsort(counts, descending=True, stable=True)
+            keys, counts = keys[order], counts[order]
         slots = be.find(ix, keys, self._no_scores, P_NO_EVICTION, 0, False, True)
         miss = slots < 0
-        if bool(miss.any()):  # never evicts, all or nothing: a key without a free slot fails
-            new_slots, _, _ = be.insert(ix, keys[miss], self._no_scores, P_NO_EVICTION, 0, True)
+        failed = 0
+        if bool(miss.any()):  # never evicts: a key without a free slot fails
+            overflows = ix.count(C_FAILED)  # (a load's misses are not lookups' overflows)
+            new_slots, _, _ = be.insert(ix, keys[miss], self._no_scores, P_NO_EVICTION, 0,
+                                        not partial)
+            ix.counts[C_FAILED] = overflows
             failed = int((new_slots < 0).sum())
-            if failed:
+            if failed and not partial:
                 be.unpin(ix, slots)
                 raise CapacityError(f"admission counters: {failed} keys do not fit the counter "
                                     f"table of {ix.num_slots} slots without evicting; nothing was "
                                     "loaded. Raise Admission.counter_capacity.")
             slots[miss] = new_slots
         be.unpin(ix, slots)
-        ix.scores[slots] = counts.to(ix.scores)
+        kept = slots >= 0
+        ix.scores[slots[kept]] = counts[kept]
+        return failed
 
     @property
     def counter_evictions(self) -> int:

@@ -86,3 +86,31 @@ def test_lowest_scored_orders_by_score_then_key():
     assert lowest_scored(keys, scores, buckets, 3).tolist() == [5]
     assert lowest_scored(keys, scores, buckets, 1).tolist() == [1, 3, 5, 7]
     assert lowest_scored(keys, scores, buckets, 4).tolist() == []
+
+
+def test_admission_counters_that_do_not_fit_keep_the_highest_counts(tmp_path, caplog):
+    """A table's counters saved from more ranks (or a bigger counter table) than the loading
+    table holds: the highest counts are kept and a warning says how many, never all dropped."""
+    def model(counters: int) -> dynemb.EmbeddingBagCollection:
+        adm = dynemb.Admission(threshold=1000, counter_capacity=counters)
+        return dynemb.EmbeddingBagCollection([dynemb.TableConfig(
+            name="t", dim=2, features=["f"], capacity=64, admission=adm)])
+
+    src = model(256)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        ids = torch.randint(0, 200, (300,), generator=g)
+        ones = torch.ones(300, dtype=torch.int64)
+        src(dynemb.SparseBatch(features=["f"], values=ids, lengths=ones))
+    keys, counts = src.tables["t"].admission.export()
+    assert keys.numel() > 16
+    checkpoint.save(tmp_path / "ck", model=src, step=6)
+    dst = model(16)
+    with caplog.at_level(logging.WARNING, logger="dynemb.checkpoint.reader"):
+        checkpoint.load(tmp_path / "ck", model=dst)
+    assert f"kept 16 of {keys.numel()}" in caplog.text
+    got_keys, got_counts = dst.tables["t"].admission.export()
+    assert got_keys.numel() == 16
+    assert int(got_counts.min()) >= int(torch.sort(counts, descending=True).values[15])
+    saved = dict(zip(keys.tolist(), counts.tolist()))
+    assert all(saved[k] == c for k, c in zip(got_keys.tolist(), got_counts.tolist()))

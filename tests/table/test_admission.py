@@ -238,3 +238,21 @@ def test_admitted_key_that_found_no_row_stays_admissible(adm_table):
     assert t.stats().failed_inserts == 1
     t.erase(K(1))
     assert lookup_rows(t, [50])[0].tolist() == [True]    # still admissible: gets the row
+
+
+def test_loading_counters_keeps_the_highest_that_fit_or_refuses_whole(adm_table):
+    """Admission.load never evicts a counter: all or nothing, or with ``partial`` (a checkpoint
+    resharded onto fewer ranks, whose counter tables are smaller in all) what fits, the highest
+    counts first, without counting the misses as lookups' overflows."""
+    t = adm_table(threshold=50, counter_capacity=16)  # one bucket of 16 counters
+    keys = torch.arange(100, 140)
+    counts = torch.arange(40) % 7 + torch.arange(40)
+    with pytest.raises(dynemb.errors.CapacityError, match="24 keys do not fit"):
+        t.admission.load(keys, counts)
+    assert t.admission.size() == 0
+    assert t.admission.load(keys, counts, partial=True) == 24
+    kept, kept_counts = t.admission.export()
+    top = torch.argsort(counts, descending=True, stable=True)[:16]
+    assert sorted(kept.tolist()) == sorted(keys[top].tolist())
+    assert sorted(kept_counts.tolist()) == sorted(counts[top].tolist())
+    assert t.admission.counter_overflows == 0
