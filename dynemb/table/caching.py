@@ -403,7 +403,7 @@ class CachedResolver(Resolver):
         return {"format": 1, "table": cfg.name, "dim": cfg.dim,
                 "optimizer": type(cfg.optimizer).__name__,
                 "state_width": self.optimizer.state_width, "num_buckets": lay.num_buckets,
-                "bucket_width": lay.width, "step": self.state.step,
+                "bucket_width": lay.width, "score": cfg.score.value, "step": self.state.step,
                 "optimizer_step": self.optimizer.step}
 
     def store_header(self) -> dict:
@@ -416,7 +416,9 @@ class CachedResolver(Resolver):
         """Checks a reopened backing store's header against this table and restores its steps."""
         want = {k: v for k, v in self.header().items() if k not in ("step", "optimizer_step")}
         found = {k: header.get(k) for k in want}
-        if found != want:
+        if "score" not in header:  # (a store closed before headers named their score policy)
+            found["score"] = want["score"]
+        if found != want:  # (scores mean steps, counts or the user's: only under their policy)
             raise ConfigError(f"table {self.config.name!r}: the backing store in "
                               f"{str(self.files.dir)!r} was written by another configuration: "
                               f"expected {want}, found {found}.")

@@ -160,9 +160,13 @@ def test_a_marker_that_does_not_name_the_header_on_disk_is_not_clean(tmp_path):
         dynemb.DynamicTable(C.config(tmp_path, reopen=True))
 
 
-def test_a_failed_reopen_leaves_the_store_clean_and_free(tmp_path):
+@pytest.mark.parametrize("change", [{"optimizer": dynemb.SGD(lr=0.1)},
+                                    {"score": dynemb.ScorePolicy.LFU}])
+def test_a_failed_reopen_leaves_the_store_clean_and_free(tmp_path, change):
+    """Another optimizer, or another score policy (its scores are steps, counts or the
+    user's: they mean nothing under another), is refused on reopen."""
     _closed_store(tmp_path)
-    other = dataclasses.replace(C.config(tmp_path, reopen=True), optimizer=dynemb.SGD(lr=0.1))
+    other = dataclasses.replace(C.config(tmp_path, reopen=True), **change)
     with pytest.raises(ConfigError, match="expected"):
         dynemb.DynamicTable(other)
     assert (tmp_path / "t.ddr.clean").exists()
