@@ -10,7 +10,10 @@ Hashes used by a table (all independent of the routing hash ``fmix64(key)``):
 - ``index_hash(key) = fmix64(key ^ INDEX_SEED)``: bucket from bits 33..63, start slot in the
   bucket from the low bits, 1-byte digest from bits 8..15.
 - ``tier_hash(key) = fmix64(key ^ TIER_SEED)``: a HYBRID table's tier (``home_bucket``).
-- ``element_hash(key_mix, counter)``: random bits of one element of a new row (initializers).
+- ``element_bits(key_mix, j)``: 32 random bits of element j of a new row (initializers): a
+  32-bit finaliser of a Weyl sequence seeded by the low half of ``key_mix``, its high half
+  mixed in between the rounds. 32-bit arithmetic, so the init kernel hashes 8 elements per
+  AVX2 instruction.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ M1 = 0xFF51AFD7ED558CCD
 M2 = 0xC4CEB9FE1A85EC53
 INDEX_SEED = 0xD6E8FEB86659FD93  # the index's own seed: no other hash uses it
 TIER_SEED = 0x3C6EF372FE94F82B  # HYBRID tiers: independent of the index and routing hashes
-GOLDEN = 0x9E3779B97F4A7C15  # the Weyl step of the per-element counters
+GOLDEN = 0x9E3779B97F4A7C15  # spreads an initializer's seed (``lifecycle._mix``)
+E_STEP = 0x9E3779B9  # element_bits: the Weyl step of the per-element counters (32 bits)
+E_M1 = 0x85EBCA6B  # element_bits: murmur3's fmix32 multipliers
+E_M2 = 0xC2B2AE35
 U64 = (1 << 64) - 1
 
 _U33 = np.uint64(33)
@@ -31,7 +37,8 @@ _M1 = np.uint64(M1)
 _M2 = np.uint64(M2)
 _SEED = np.uint64(INDEX_SEED)
 _TIER = np.uint64(TIER_SEED)
-_GOLD = np.uint64(GOLDEN)
+_E_STEP, _E_M1, _E_M2 = np.uint32(E_STEP), np.uint32(E_M1), np.uint32(E_M2)
+_S13, _S16 = np.uint32(13), np.uint32(16)
 
 
 def to_signed(x: int) -> int:
@@ -81,9 +88,20 @@ def digest_of_nb(h: np.uint64) -> np.uint8:
     return np.uint8(2 + ((h >> np.uint64(8)) & np.uint64(0xFF)) % np.uint64(254))
 
 
-@njit(cache=True, inline="always")
-def element_hash_nb(key_mix: np.uint64, counter: np.int64) -> np.uint64:
-    return fmix64_nb(key_mix + np.uint64(counter) * _GOLD)
+@njit(cache=True, nogil=True, error_model="numpy")
+def element_bits_nb(lo: np.uint32, hi: np.uint32, bits) -> None:
+    """``bits[j]`` (uint32) = the random bits of element j of the row whose key mixes to
+    ``key_mix`` = (``hi`` << 32) | ``lo``, for every j of ``bits``. (A function of its own, on
+    32-bit halves: inlined into the init kernel, LLVM vectorises it with 64-bit lanes, 4x
+    slower.)"""
+    for j in range(bits.shape[0]):
+        x = np.uint32(lo + np.uint32(j) * _E_STEP)
+        x = np.uint32(x ^ (x >> _S16))
+        x = np.uint32(x * _E_M1)
+        x = np.uint32(x ^ (x >> _S13))
+        x = np.uint32(x ^ hi)
+        x = np.uint32(x * _E_M2)
+        bits[j] = np.uint32(x ^ (x >> _S16))
 
 
 # ---------------------------------------------------------------- torch (int64, wrapping)
@@ -137,7 +155,14 @@ def digest_of(h: torch.Tensor) -> torch.Tensor:
     return (2 + (_srl(h, 8) & 0xFF) % 254).to(torch.uint8)
 
 
-def element_hash(key_mix: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
-    if isinstance(counter, int):
-        return fmix64(key_mix + to_signed(counter * GOLDEN))
-    return fmix64(key_mix + counter * to_signed(GOLDEN))
+def element_bits(key_mix: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`element_bits_nb`: int64 (in [0, 2**32)) bits of elements ``j`` of
+    the rows with ``key_mix`` (broadcast against each other)."""
+    m32 = 0xFFFFFFFF
+    x = (key_mix + j * E_STEP) & m32
+    x = x ^ (x >> 16)
+    x = (x * E_M1) & m32  # (wraps in int64; the low 32 bits are exact)
+    x = x ^ (x >> 13)
+    x = x ^ (_srl(key_mix, 32))
+    x = (x * E_M2) & m32
+    return x ^ (x >> 16)
