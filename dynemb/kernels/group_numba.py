@@ -14,9 +14,9 @@ hashing. The results are the torch path's, element for element:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from dynemb.kernels.hashing import fmix64_nb
+from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch_read
 
 R_ROUNDROBIN, R_HASH_ROUNDROBIN, R_CONTINUOUS = 0, 1, 2

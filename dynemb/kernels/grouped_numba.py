@@ -23,13 +23,14 @@ tables share nothing, so parts run at once.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit, types
+from numba import carray, types
 from numba.extending import intrinsic
 
 from dynemb.kernels import lookup_numba as lnb
 from dynemb.kernels import pooling_numba as pnb
 from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels.index_numba import P_STEP
+from dynemb.kernels.jit import njit
 
 # ip columns: the index, the rows, the initializer, the pooling, the optimizer
 (I_BUCKETS, I_SPLIT, I_BMASK, I_POLICY, I_HBM_ROWS, I_DIM, I_INIT, I_MIX, I_MEAN, I_FEATURES,

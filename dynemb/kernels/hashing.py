@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+
+from dynemb.kernels.jit import njit
 
 M1 = 0xFF51AFD7ED558CCD
 M2 = 0xC4CEB9FE1A85EC53

@@ -26,10 +26,10 @@ with ``atomic`` restores every slot it wrote if any key fails, so a failing call
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
+from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_row
 
 D_EMPTY = 0

@@ -28,13 +28,13 @@ writes, so a call where a key gets no row is undone slot for slot (:func:`undo`)
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 from dynemb.kernels.index_numba import (
     C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, PIN_FREE, PIN_HELD,
     _touch, claim_slot, new_score, record_eviction, victim,
 )
+from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch
 
 T_HBM_HITS, T_DDR_HITS, T_HBM_MISSES, T_DDR_MISSES = 0, 1, 2, 3

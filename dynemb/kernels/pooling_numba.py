@@ -10,8 +10,8 @@ the ids i of bag (f, b), n = the bag length for MEAN, 1 for SUM; w_i = 1 without
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch_row
 
 _kernel = njit(cache=True, nogil=True, error_model="numpy")

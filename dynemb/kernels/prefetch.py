@@ -5,9 +5,11 @@ slots or rows they will touch next. A prefetch never faults and changes no resul
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from dynemb.kernels.jit import njit
 
 
 def _call_prefetch(builder, ptr, rw: int) -> None:

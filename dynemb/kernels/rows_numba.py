@@ -10,9 +10,9 @@ in float32 so results match torch to rounding.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from dynemb.kernels.hashing import element_bits_nb, fmix64_nb
+from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch_row
 
 INIT_NORMAL, INIT_TRUNCATED_NORMAL, INIT_UNIFORM, INIT_CONSTANT = 0, 1, 2, 3

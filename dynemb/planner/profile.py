@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numba import njit
 
 from dynemb.errors import PlanningError
 from dynemb.kernels.hashing import TIER_SEED, fmix64, to_signed
+from dynemb.kernels.jit import njit
 
 EXACT_RANKS = 1024
 """Zipf ranks summed one by one before the geometric bins of the tail take over."""

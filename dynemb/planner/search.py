@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+
+from dynemb.kernels.jit import njit
+
 
 @dataclass
 class _Best:

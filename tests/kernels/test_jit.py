@@ -1,0 +1,84 @@
+"""The kernels' on-disk cache (``dynemb.kernels.jit``): stale once any compiled source changes,
+and covering every module whose text a kernel can embed."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+import dynemb
+from dynemb.kernels import jit
+
+PACKAGE = Path(dynemb.__file__).resolve().parent
+
+
+def _imports(path: Path) -> set[str]:
+    """The dynemb modules ``path`` imports."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dynemb"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("dynemb"))
+    return out
+
+
+def _file(module: str) -> Path | None:
+    rel = Path(*module.split(".")[1:])
+    for p in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
+        if p.is_file():
+            return p
+    return None  # a name imported from a module, not a module
+
+
+def test_the_sources_cover_every_kernel_module_and_what_it_imports():
+    covered = set(jit.source_files())
+    kernels = [p for p in PACKAGE.rglob("*.py")
+               if ("@njit" in p.read_text() or "njit(" in p.read_text()) and p.name != "jit.py"]
+    assert len(kernels) >= 8
+    for p in kernels:
+        text = p.read_text()
+        assert "from numba import njit" not in text and "numba.njit" not in text, (
+            f"{p} compiles with numba's njit: use dynemb.kernels.jit.njit")
+        assert p in covered, f"{p} has kernels but is not in jit.SOURCES"
+        for module in _imports(p):
+            f = _file(module)
+            if f is not None and f.name != "__init__.py":
+                assert f in covered, f"{p} imports {module}, which is not in jit.SOURCES"
+
+
+def test_the_digest_follows_every_source(tmp_path):
+    root = tmp_path / "dynemb"
+    for p in jit.source_files():
+        dst = root / p.relative_to(PACKAGE)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, dst)
+    assert jit.digest(root) == jit.sources_digest()
+    for p in (root / "batch.py", root / "kernels" / "hashing.py"):
+        before = jit.digest(root)
+        p.write_text(p.read_text() + "\n")
+        assert jit.digest(root) != before
+
+
+def test_a_cached_kernel_is_stale_once_the_sources_change(tmp_path, monkeypatch):
+    (tmp_path / "jit_probe_mod.py").write_text(
+        "from dynemb.kernels.jit import njit\n\n\n"
+        "@njit(cache=True)\ndef add_one(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("jit_probe_mod")
+    try:
+        assert mod.add_one(1) == 2
+        assert sum(mod.add_one.stats.cache_misses.values()) == 1  # compiled, then saved
+        mod = importlib.reload(mod)
+        assert mod.add_one(1) == 2
+        assert sum(mod.add_one.stats.cache_hits.values()) == 1  # loaded
+        monkeypatch.setattr(jit, "sources_digest", lambda: "another version")
+        mod = importlib.reload(mod)
+        assert mod.add_one(1) == 2
+        assert sum(mod.add_one.stats.cache_hits.values()) == 0  # the saved code is stale
+    finally:
+        sys.modules.pop("jit_probe_mod", None)
