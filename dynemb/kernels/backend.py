@@ -38,6 +38,7 @@ from dynemb.kernels.threads import parts_for, ranges, resolve, run_parts
 _NO_QUANTILES = torch.zeros(2, dtype=torch.float32)
 _EMPTY = torch.empty(0, dtype=torch.int64)  # (no journal, no entries, nothing evicted)
 _NO_ROWS = torch.empty(0, 1, dtype=torch.float32)  # (no ddr tier)
+_NO_ORDER = np.empty(0, np.int64)  # (lookup_numba: every occurrence)
 INIT_CODES = {
     InitKind.NORMAL: rnb.INIT_NORMAL,
     InitKind.TRUNCATED_NORMAL: rnb.INIT_TRUNCATED_NORMAL,
@@ -230,9 +231,21 @@ class NumbaBackend:
         nk, cu = _np(keys), _np(custom)
         ixa = (_np(ix.keys), _np(ix.scores), _np(ix.digests), _np(ix.pins), ix.num_buckets,
                ix.split, ix.width - 1, policy, step)
-        n_j = run_parts(lambda p: lnb.probe(p, parts, nk, cu, *ixa, touch, hbm_rows, *sets[p],
-                                            first, slots, slot_at, free_at, journal[p],
-                                            tiers[p]), parts)
+        orders = [_NO_ORDER] * parts
+        if parts > 1:  # each part's occurrences: those whose home bucket is in its range
+            owner = np.empty(n, np.uint8)
+            spans = ranges(n, parts)
+            run_parts(lambda p: lnb.owners(nk[slice(*spans[p])], ix.num_buckets, ix.split, parts,
+                                           owner[slice(*spans[p])]), parts)
+            orders = [np.empty(n, np.int64) for _ in range(parts)]
+
+        def probe(p):
+            if parts > 1:
+                orders[p] = orders[p][:lnb.part_order(owner, p, orders[p])]
+            return lnb.probe(parts == 1, orders[p], nk, cu, *ixa, touch, hbm_rows, *sets[p],
+                             first, slots, slot_at, free_at, journal[p], tiers[p])
+
+        n_j = run_parts(probe, parts)
         inverse, uslot, ufree, upos = (np.empty(n, np.int64) for _ in range(4))
         n_u = lnb.number_first(first, slot_at, free_at, inverse, uslot, ufree, upos)
         tier_counts = tiers.sum(0).tolist()
@@ -249,9 +262,9 @@ class NumbaBackend:
             ev_keys, ev_scores = np.empty(n, np.int64), np.empty(n, np.int64)
             ev_slots = np.full(n, -1, np.int64)
             out = np.zeros((parts, 5), np.int64)
-            run_parts(lambda p: lnb.place(p, parts, nk, cu, *ixa, allowed, inverse, slots, uslot,
-                                          ufree, journal[p], n_j[p], ins, ev_keys, ev_slots,
-                                          ev_scores, out[p]), parts)
+            run_parts(lambda p: lnb.place(parts == 1, orders[p], nk, cu, *ixa, allowed, inverse,
+                                          slots, uslot, ufree, journal[p], n_j[p], ins, ev_keys,
+                                          ev_slots, ev_scores, out[p]), parts)
             failed = int(out[:, 2].sum())
             fresh_pos, ev_out = np.empty(n, np.int64), np.empty((3, n), np.int64)
             n_ins, n_ev = lnb.events(ins, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out)

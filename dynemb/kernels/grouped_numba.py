@@ -138,16 +138,16 @@ def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, set_keys, set_pos,
         a = (ip[t, I_BUCKETS], ip[t, I_SPLIT], ip[t, I_BMASK], ip[t, I_POLICY], steps[t])
         r = res[t]
         r[:] = 0
-        n_j = lnb.probe(0, 1, keys[lo:hi], custom, ikeys, iscores, dig, pins, a[0], a[1], a[2],
-                        a[3], a[4], True, ip[t, I_HBM_ROWS], set_keys[:m], set_pos[:m],
+        n_j = lnb.probe(True, _I64, keys[lo:hi], custom, ikeys, iscores, dig, pins, a[0], a[1],
+                        a[2], a[3], a[4], True, ip[t, I_HBM_ROWS], set_keys[:m], set_pos[:m],
                         first[lo:hi], slots[lo:hi], slot_at[lo:hi], free_at[lo:hi], jr,
                         r[R_TIERS:R_TIERS + 4])
         r[R_DISTINCT] = lnb.number_first(first[lo:hi], slot_at[lo:hi], free_at[lo:hi],
                                          inverse[lo:hi], uslot[lo:hi], ufree[lo:hi],
                                          upos[lo:hi])
-        lnb.place(0, 1, keys[lo:hi], custom, ikeys, iscores, dig, pins, a[0], a[1], a[2], a[3],
-                  a[4], allowed, inverse[lo:hi], slots[lo:hi], uslot[lo:hi], ufree[lo:hi], jr,
-                  n_j, inserted[lo:hi], ev_keys[lo:hi], ev_slots[lo:hi], ev_scores[lo:hi],
+        lnb.place(True, _I64, keys[lo:hi], custom, ikeys, iscores, dig, pins, a[0], a[1], a[2],
+                  a[3], a[4], allowed, inverse[lo:hi], slots[lo:hi], uslot[lo:hi], ufree[lo:hi],
+                  jr, n_j, inserted[lo:hi], ev_keys[lo:hi], ev_slots[lo:hi], ev_scores[lo:hi],
                   r[R_INSERTED:R_INSERTED + 5])
         r[R_DONE] = 1
         if ip[t, I_ATOMIC] and r[R_FAILED] > 0:

@@ -16,9 +16,10 @@ scores, pins, counts and unique numbering. It gets there with less work:
 * :func:`number` numbers the entries and frees the call's pins.
 
 :func:`probe` and :func:`place` run in parts (``kernels.threads``): a part does the keys whose
-home bucket is in its range of buckets, in the call's order, so no two parts touch one bucket
-or one slot and every bucket sees what it would in one part. Each part journals in its own
-rows.
+home bucket is in its range of buckets (:func:`owners` and :func:`part_order` list their
+occurrences first, so a part reads only its own), in the call's order, so no two parts touch
+one bucket or one slot and every bucket sees what it would in one part. Each part journals in
+its own rows.
 
 The resolver may decide between :func:`probe` and :func:`place` which misses are let in
 (admission). ``journal`` (an atomic call: ``on_full`` RAISE) records every slot the call
@@ -77,13 +78,35 @@ def _owner(bucket, num_buckets, parts):
 
 
 @njit(cache=True, nogil=True)
-def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
+def owners(keys, num_buckets, split, parts, owner):
+    """``owner[i]`` = the part (of ``parts``) whose bucket range holds key i's home bucket."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        owner[i] = _owner(home_bucket_nb(k, index_hash_nb(k), num_buckets, split), num_buckets,
+                          parts)
+
+
+@njit(cache=True, nogil=True)
+def part_order(owner, part, order):
+    """Writes the occurrences i with ``owner[i] == part``, in order, to ``order``; returns how
+    many (a branch-free compaction)."""
+    c = 0
+    for i in range(owner.shape[0]):
+        order[c] = i
+        c += owner[i] == part
+    return c
+
+
+@njit(cache=True, nogil=True)
+def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
           policy, step, touch, hbm_rows, set_keys, set_pos, first, slots, slot_at, free_at,
           journal, tiers):
-    """Finds the keys (N,) of part ``part`` of ``parts`` (those whose home bucket is in its
-    range), each distinct key once; returns the part's journal length.
+    """Finds the keys (N,) at the occurrences ``order`` (increasing), or at all of them with
+    ``every``, each distinct key once; returns the journal's length. A part
+    (``kernels.threads``) takes the occurrences whose home bucket is in its range
+    (:func:`owners`, :func:`part_order`).
 
-    Writes for each of its occurrences i ``first[i]`` (the first occurrence of its key) and
+    Writes for each of those occurrences i ``first[i]`` (the first occurrence of its key) and
     ``slots[i]`` (its slot or -1), and at a first occurrence p ``slot_at[p]`` (the slot or -1)
     and for a missing key ``free_at[p]``, the offset on its probe path of the first free slot
     (``width`` if none). Found slots are pinned (``PIN_HELD``, unless held) and, with ``touch``,
@@ -100,12 +123,12 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
     smask = np.uint64(set_pos.shape[0] - 1)
     width = bmask + 1
     n_j = 0
-    n = keys.shape[0]
+    n = keys.shape[0] if every else order.shape[0]
     later = np.full(AHEAD, -1, np.int64)  # found occurrences waiting for their slot's lines
-    for i in range(n + AHEAD):
+    for t in range(n + AHEAD):
         # a found occurrence's pin, journal entry and touch come AHEAD occurrences after its
         # probe, which prefetched its slot's pin and score (each slot's writes keep their order)
-        w = later[i % AHEAD]
+        w = later[t % AHEAD]
         if w >= 0:
             s = slots[w]
             if first[w] == w:
@@ -117,23 +140,21 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
                     pins[s] = PIN_HELD
             if touch:
                 _touch(iscores, s, policy, step, custom, w)
-        later[i % AHEAD] = -1
-        if i >= n:
+        later[t % AHEAD] = -1
+        if t >= n:
             continue
-        if i + AHEAD < n:
-            ka = keys[i + AHEAD]
+        if t + AHEAD < n:
+            ka = keys[t + AHEAD if every else order[t + AHEAD]]
             ha = index_hash_nb(ka)
-            ba = home_bucket_nb(ka, ha, num_buckets, split)
-            if parts == 1 or _owner(ba, num_buckets, parts) == part:
-                prefetch(set_pos, (ha >> _SET_SHIFT) & smask)
-                ta = ba * width + np.int64(ha & np.uint64(bmask))
-                prefetch(dig, ta)
-                prefetch(ikeys, ta)
+            ta = (home_bucket_nb(ka, ha, num_buckets, split) * width
+                  + np.int64(ha & np.uint64(bmask)))
+            prefetch(set_pos, (ha >> _SET_SHIFT) & smask)
+            prefetch(dig, ta)
+            prefetch(ikeys, ta)
+        i = t if every else order[t]
         k = keys[i]
         h = index_hash_nb(k)
         bucket = home_bucket_nb(k, h, num_buckets, split)
-        if parts > 1 and _owner(bucket, num_buckets, parts) != part:
-            continue
         p = (h >> _SET_SHIFT) & smask
         while True:
             f = set_pos[p]
@@ -150,11 +171,11 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
             s = -1
             free = width
             for j in range(width):
-                t = base + ((start + j) & bmask)
-                ds = dig[t]
+                q = base + ((start + j) & bmask)
+                ds = dig[q]
                 if ds == d:
-                    if ikeys[t] == k:
-                        s = t
+                    if ikeys[q] == k:
+                        s = q
                         break
                 elif ds == D_EMPTY:
                     if free == width:
@@ -175,7 +196,7 @@ def probe(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, spl
             tiers[T_HBM_MISSES if bucket < split else T_DDR_MISSES] += 1
         else:
             tiers[T_HBM_HITS if s < hbm_rows else T_DDR_HITS] += 1
-            later[i % AHEAD] = i
+            later[t % AHEAD] = i
     return n_j
 
 
@@ -217,34 +238,32 @@ def _prefetch_free(k, off, ikeys, iscores, dig, pins, num_buckets, split, bmask)
 
 
 @njit(cache=True, nogil=True)
-def place(part, parts, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
+def place(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
           policy, step, allowed, inverse, slots, uslot, ufree, journal, n_j, inserted, ev_keys,
           ev_slots, ev_scores, out):
-    """Inserts the missing keys of part ``part`` of ``parts`` (as :func:`probe` splits them)
-    after :func:`number_first`, occurrence by occurrence, as ``insert_pass`` would: the first
-    allowed occurrence of a missing key inserts it (evicting the lowest-score unpinned slot of a
-    full bucket), later ones touch its slot; one that cannot get a slot fails (and a later
-    occurrence tries again). ``allowed`` (N,) bool or empty (all): the occurrences admission
-    lets in. Updates ``slots``, ``uslot`` and ``inserted`` (the occurrences that inserted); an
-    occurrence i that evicted writes the row it evicted to ``ev_keys[i]``, ``ev_slots[i]`` (-1
-    for none; filled by the caller) and ``ev_scores[i]``; :func:`events` lists both in order.
-    ``out`` (5,) int64 gets the part's (inserted, evicted, failed, new slots taken, journal
-    length); :func:`count` adds them to the index's counts once the call stands."""
+    """Inserts the missing keys at the occurrences ``order`` (a part's, as :func:`probe` takes
+    them), or at all of them with ``every``, after :func:`number_first`, occurrence by
+    occurrence, as ``insert_pass`` would: the first allowed occurrence of a missing key inserts
+    it (evicting the lowest-score unpinned slot of a full bucket), later ones touch its slot; one
+    that cannot get a slot fails (and a later occurrence tries again). ``allowed`` (N,) bool or
+    empty (all): the occurrences admission lets in. Updates ``slots``, ``uslot`` and
+    ``inserted`` (the occurrences that inserted); an occurrence i that evicted writes the row it
+    evicted to ``ev_keys[i]``, ``ev_slots[i]`` (-1 for none; filled by the caller) and
+    ``ev_scores[i]``; :func:`events` lists both in order. ``out`` (5,) int64 gets the part's
+    (inserted, evicted, failed, new slots taken, journal length); :func:`count` adds them to the
+    index's counts once the call stands."""
     width = bmask + 1
     n_ins = 0
     n_ev = 0
     n_fail = 0
     n_new = 0
-    every = allowed.shape[0] == 0
-    todo = np.empty(keys.shape[0], np.int64)  # the occurrences to place, in order
+    admit_all = allowed.shape[0] == 0
+    n = keys.shape[0] if every else order.shape[0]
+    todo = np.empty(n, np.int64)  # the occurrences to place, in order
     n_todo = 0
-    for i in range(keys.shape[0]):
-        if slots[i] < 0 and (every or allowed[i]):
-            if parts > 1:
-                k = keys[i]
-                bucket = home_bucket_nb(k, index_hash_nb(k), num_buckets, split)
-                if _owner(bucket, num_buckets, parts) != part:
-                    continue
+    for t in range(n):
+        i = t if every else order[t]
+        if slots[i] < 0 and (admit_all or allowed[i]):
             todo[n_todo] = i
             n_todo += 1
     for t in range(n_todo):
