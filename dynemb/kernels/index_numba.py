@@ -30,7 +30,7 @@ import numpy as np
 from dynemb.batch import EMPTY_KEY
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 from dynemb.kernels.jit import njit
-from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_row
+from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_cols
 
 D_EMPTY = 0
 D_ERASED = 1
@@ -142,9 +142,9 @@ def find_rows(keys, ikeys, dig, num_buckets, split, bmask, hbm, ddr, row_split, 
                 out_missing[missing] = i
                 missing += 1
             elif s < row_split:
-                prefetch_row(hbm, s, False)
+                prefetch_cols(hbm, s, False, 0, dim)
             else:
-                prefetch_row(ddr, s - row_split, False)
+                prefetch_cols(ddr, s - row_split, False, 0, dim)
         j = i - AHEAD
         if j >= 0:
             s = out_slots[j]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynemb.kernels.jit import njit
-from dynemb.kernels.prefetch import AHEAD, prefetch_row
+from dynemb.kernels.prefetch import AHEAD, prefetch_cols
 
 _kernel = njit(cache=True, nogil=True, error_model="numpy")
 
@@ -36,7 +36,7 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out, col
         n = lengths[bag]
         for _ in range(n):
             if i + AHEAD < n_ids:
-                prefetch_row(rows, src[inverse[i + AHEAD]], False)
+                prefetch_cols(rows, src[inverse[i + AHEAD]], False, 0, dim)
             u = inverse[i]
             s = src[u]
             e = rows[s] if s >= 0 else extra[-s - 1]

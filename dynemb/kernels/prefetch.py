@@ -61,12 +61,20 @@ AHEAD = 8
 
 
 @njit(cache=True, inline="always")
-def prefetch_row(rows, r, write):
-    """Prefetches every cache line of row ``r`` of a 2-D float32 array (``r`` < 0: nothing), for
-    writing when ``write``."""
+def prefetch_cols(rows, r, write, start, stop):
+    """Prefetches the cache lines of columns ``[start, stop)`` of row ``r`` of a 2-D float32 array
+    (``r`` < 0: nothing), for writing when ``write``. (A kernel reading a row's embedding only
+    prefetches those columns: a row with Adam's state is three times as long.)"""
     if r >= 0:
-        for j in range(0, rows.shape[1], 16):
+        for j in range(start, stop, 16):
             if write:
                 prefetch_write(rows, r, j)
             else:
                 prefetch_read(rows, r, j)
+
+
+@njit(cache=True, inline="always")
+def prefetch_row(rows, r, write):
+    """Prefetches every cache line of row ``r`` of a 2-D float32 array (``r`` < 0: nothing), for
+    writing when ``write``."""
+    prefetch_cols(rows, r, write, 0, rows.shape[1])

@@ -13,7 +13,7 @@ import numpy as np
 
 from dynemb.kernels.hashing import element_bits_nb, fmix64_nb
 from dynemb.kernels.jit import njit
-from dynemb.kernels.prefetch import AHEAD, prefetch_row
+from dynemb.kernels.prefetch import AHEAD, prefetch_cols, prefetch_row
 
 INIT_NORMAL, INIT_TRUNCATED_NORMAL, INIT_UNIFORM, INIT_CONSTANT = 0, 1, 2, 3
 QUANTILE_BITS = 16
@@ -77,7 +77,7 @@ def gather(rows, slots, dim, out):
     n = slots.shape[0]
     for u in range(n):
         if u + AHEAD < n:
-            prefetch_row(rows, slots[u + AHEAD], False)
+            prefetch_cols(rows, slots[u + AHEAD], False, 0, dim)
         s = slots[u]
         if s >= 0:
             for j in range(dim):
@@ -90,7 +90,7 @@ def scatter(rows, slots, values, start):
     n, ncols = slots.shape[0], values.shape[1]
     for u in range(n):
         if u + AHEAD < n:
-            prefetch_row(rows, slots[u + AHEAD], True)
+            prefetch_cols(rows, slots[u + AHEAD], True, start, start + ncols)
         s = slots[u]
         if s >= 0:
             for j in range(ncols):
