@@ -97,6 +97,72 @@ def part_order(owner, part, order):
     return c
 
 
+_SHORT = 16  # slots a probe reads one by one before it reads words
+_ONES = np.uint64(0x0101010101010101)
+_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_HIGHS = np.uint64(0x8080808080808080)
+_NOT_ERASED = np.uint64(0xFEFEFEFEFEFEFEFE)
+_ALL = ~np.uint64(0)
+
+
+@njit(cache=True, inline="always")
+def _zero_bytes(x):
+    """The high bit of each byte of ``x`` that is zero (exact: no carry crosses bytes)."""
+    return ~(((x & _LOW7) + _LOW7) | x) & _HIGHS
+
+
+@njit(cache=True, inline="always")
+def _first_byte(m):
+    """The index of the lowest byte flagged in ``m`` (not zero)."""
+    b = 0
+    while (m >> np.uint64(8 * b + 7)) & np.uint64(1) == 0:
+        b += 1
+    return b
+
+
+@njit(cache=True, inline="always")
+def _probe_words(dig64, dig, ikeys, base, width, start, k, d, free):
+    """The probe of :func:`probe` from path offset ``_SHORT`` on, 8 digests a read: (slot of key
+    ``k`` (digest ``d``) or -1, the offset of the first free slot on its path, ``free`` if it
+    was already found, else ``width`` if none). Reads the bucket's words of digests in path
+    order and stops after the word where the path meets an empty slot, as the slot by slot
+    probe stops at it (a key is never past one; slots of a word past it hold other keys).
+    (A miss in a full bucket of 128 reads all 128 digests. ``benchmarks/train_step.py``, SGD
+    dim 64, evicting, alternating: 19.9 / 20.2 -> 19.3 / 19.0 ms per step; ``table_ops.py``'s
+    find_or_insert at load 0.9, where most buckets have empty slots, 0-5 % slower.)"""
+    nw = width >> 3
+    w0 = base >> 3
+    pos = (start + _SHORT) & (width - 1)
+    wi = pos >> 3
+    upper = _ALL << np.uint64(8 * (pos & 7))  # the bytes of word wi from pos on
+    pattern = np.uint64(d) * _ONES
+    for c in range(nw + 1):
+        if c == 0:
+            keep = upper
+        elif c < nw:
+            keep = _ALL
+        else:  # back at word wi: its bytes before pos
+            keep = ~upper
+            if keep == 0:
+                break
+        w = (wi + c) & (nw - 1)
+        word = dig64[w0 + w]
+        m = _zero_bytes(word ^ pattern) & keep
+        while m != 0:
+            b = _first_byte(m)
+            q = base + 8 * w + b
+            if ikeys[q] == k:
+                return q, free
+            m &= ~(np.uint64(0xFF) << np.uint64(8 * b))
+        if free == width:
+            m = _zero_bytes(word & _NOT_ERASED) & keep
+            if m != 0:
+                free = (8 * w + _first_byte(m) - start) & (width - 1)
+        if _zero_bytes(word) & keep != 0:
+            break
+    return -1, free
+
+
 @njit(cache=True, nogil=True)
 def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
           policy, step, touch, hbm_rows, set_keys, set_pos, first, slots, slot_at, free_at,
@@ -122,6 +188,9 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     set_pos[:] = -1
     smask = np.uint64(set_pos.shape[0] - 1)
     width = bmask + 1
+    words = width >= 16 and dig.shape[0] % 8 == 0 and dig.ctypes.data % 8 == 0
+    dig64 = dig.view(np.uint64) if words else np.empty(0, np.uint64)
+    short = _SHORT if words else width  # slots probed one by one
     n_j = 0
     n = keys.shape[0] if every else order.shape[0]
     later = np.full(AHEAD, -1, np.int64)  # found occurrences waiting for their slot's lines
@@ -170,19 +239,24 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
             d = digest_of_nb(h)
             s = -1
             free = width
-            for j in range(width):
+            ended = False
+            for j in range(short):
                 q = base + ((start + j) & bmask)
                 ds = dig[q]
                 if ds == d:
                     if ikeys[q] == k:
                         s = q
+                        ended = True
                         break
                 elif ds == D_EMPTY:
                     if free == width:
                         free = j
+                    ended = True
                     break
                 elif ds == D_ERASED and free == width:
                     free = j
+            if not ended and short < width:  # a long probe: the rest by words of 8 digests
+                s, free = _probe_words(dig64, dig, ikeys, base, width, start, k, d, free)
             slot_at[i] = s
             free_at[i] = free
             if s >= 0:

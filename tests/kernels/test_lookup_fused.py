@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from dynemb.kernels import threads
 from dynemb.kernels.backend import NUMBA, TORCH, NumbaBackend, staged_lookup
+from dynemb.kernels.hashing import index_hash
 from dynemb.kernels.index_numba import P_CUSTOM, P_LFU, P_LRU, P_NO_EVICTION, P_STEP
 from dynemb.table.index import HashIndex
 
@@ -26,14 +27,19 @@ NB, WIDTH = 2, 4
 POOL = list(range(1, 22)) + [-1, -(2**63) + 1, 2**63 - 1]
 POLICIES = [P_LRU, P_LFU, P_STEP, P_CUSTOM, P_NO_EVICTION]
 
-call_st = st.tuples(
-    st.lists(st.sampled_from(POOL), min_size=1, max_size=16),  # keys
-    st.booleans(),                                           # touch and insert (else eval)
-    st.booleans(),                                           # atomic
-    st.sampled_from([None, 2, 3]),                           # admission: keep out key % m == 0
-    st.lists(st.sampled_from(POOL), max_size=4),             # erased after the call
-    st.integers(0, 3),                                       # entries held after the call
-)
+
+def calls_of(pool: list[int], most: int):
+    return st.tuples(
+        st.lists(st.sampled_from(pool), min_size=1, max_size=most),  # keys
+        st.booleans(),                                    # touch and insert (else eval)
+        st.booleans(),                                    # atomic
+        st.sampled_from([None, 2, 3]),                    # admission: keep out key % m == 0
+        st.lists(st.sampled_from(pool), max_size=4),      # erased after the call
+        st.integers(0, 3),                                # entries held after the call
+    )
+
+
+call_st = calls_of(POOL, 16)
 
 
 def _arrays(ix: HashIndex) -> dict[str, torch.Tensor]:
@@ -77,8 +83,22 @@ def test_fused_lookup_equals_its_steps(policy, split, calls, n_threads, rnd):
         _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd)
 
 
-def _check_sequence(policy, split, calls, fused, rnd):
-    ixs = [HashIndex(NB, WIDTH, torch.device("cpu"), NUMBA, split=split) for _ in range(2)]
+wide_call_st = calls_of(list(range(1, 70)) + [-1, 2**63 - 1], 48)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(POLICIES), st.sampled_from([NB, 1]), st.lists(wide_call_st, max_size=10),
+       st.sampled_from([1, 2]), st.randoms(use_true_random=False))
+def test_fused_lookup_equals_its_steps_in_wide_buckets(policy, split, calls, n_threads, rnd):
+    """Buckets of 16 slots, full or nearly, with tombstones: a probe longer than 8 slots reads
+    the rest of the bucket 8 digests at a time (``lookup_numba._probe_words``),
+    and must find what the slot by slot probe finds."""
+    with mock.patch.object(threads, "MIN_PER_PART", 1):
+        _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd, width=16)
+
+
+def _check_sequence(policy, split, calls, fused, rnd, width=WIDTH):
+    ixs = [HashIndex(NB, width, torch.device("cpu"), NUMBA, split=split) for _ in range(2)]
     holds: list[torch.Tensor] = []
     for step, (keys, touch, atomic, mod, erased, n_hold) in enumerate(calls, start=1):
         keys = torch.tensor(keys, dtype=torch.int64)
@@ -127,3 +147,32 @@ def test_both_backends_resolve_the_same_keys(atomic):
         assert bool((ix.pins == -1).all()) and ix.size() == 4
         r = be.lookup(ix, keys, none, P_LRU, 2, **kw)
         assert r.fresh.numel() == 0 and r.tiers == [7, 0, 0, 0]
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_long_probes_in_full_wide_buckets_find_what_the_steps_find(n_threads):
+    """Many evicting calls fill 16-slot buckets with keys anywhere on their probe paths (an
+    evicting key takes the victim's slot), tombstones among them: each call, fused and staged,
+    leaves the same index; most keys found lie 8 or more slots along their path."""
+    gen = torch.Generator().manual_seed(7)
+    ixs = [HashIndex(4, 16, torch.device("cpu"), NUMBA) for _ in range(2)]
+    fused = NumbaBackend(n_threads)
+    none = torch.empty(0, dtype=torch.int64)
+    far = 0
+    with mock.patch.object(threads, "MIN_PER_PART", 1):
+        for step in range(1, 80):
+            keys = torch.randint(1, 400, (40,), generator=gen)
+            results = [_run(ix, be, keys, none, P_LRU, step, True, False, None)
+                       for ix, be in zip(ixs, (fused, None))]
+            _equal(*results)
+            if step % 10 == 0:
+                for ix in ixs:
+                    NUMBA.erase(ix, torch.unique(keys[:5]))
+            a, b = (_arrays(ix) for ix in ixs)
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+            slots = results[0].slots
+            found = slots[slots >= 0]
+            start = index_hash(ixs[0].keys[found]) & 15
+            far += int(((((found % 16) - start) & 15) >= 8).sum())
+    assert far > 300  # (the word path was taken for hits, not only for misses)
