@@ -51,24 +51,22 @@ class _Stamped:
         return super().get_source_stamp(), sources_digest()
 
 
-class _UserProvided(_Stamped, caching.UserProvidedCacheLocator):
-    pass
+def _stamped(name: str):
+    """numba's locator class ``name`` (``_name`` before numba 0.60) with :class:`_Stamped`'s
+    stamp, or None where this numba has no such class."""
+    base = getattr(caching, name, None) or getattr(caching, "_" + name, None)
+    return None if base is None else type("Stamped" + name, (_Stamped, base), {})
 
 
-class _InTree(_Stamped, caching.InTreeCacheLocator):
-    pass
+_LOCATORS = [_stamped(n) for n in
+             ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
+_Cache = None
+if all(_LOCATORS) and hasattr(caching, "CompileResultCacheImpl"):
+    class _Impl(caching.CompileResultCacheImpl):
+        _locator_classes = _LOCATORS
 
-
-class _UserWide(_Stamped, caching.UserWideCacheLocator):
-    pass
-
-
-class _Impl(caching.CompileResultCacheImpl):
-    _locator_classes = [_UserProvided, _InTree, _UserWide]
-
-
-class _Cache(caching.FunctionCache):
-    _impl_class = _Impl
+    class _Cache(caching.FunctionCache):
+        _impl_class = _Impl
 
 
 def njit(*args, **options):
@@ -84,6 +82,8 @@ def njit(*args, **options):
         if not hasattr(dispatcher, "py_func"):  # NUMBA_DISABLE_JIT: the function itself
             return dispatcher
         try:
+            if _Cache is None:  # a numba without these classes: its own cache
+                raise RuntimeError
             dispatcher._cache = _Cache(dispatcher.py_func)  # what cache=True would have set
         except RuntimeError:  # no locator of ours fits (a zipped package): numba's own, whose
             dispatcher.enable_caching()  # stamp is the whole archive's

@@ -7,6 +7,7 @@ import ast
 import importlib
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import dynemb
@@ -82,3 +83,16 @@ def test_a_cached_kernel_is_stale_once_the_sources_change(tmp_path, monkeypatch)
         assert sum(mod.add_one.stats.cache_hits.values()) == 0  # the saved code is stale
     finally:
         sys.modules.pop("jit_probe_mod", None)
+
+
+def test_locators_are_found_under_the_names_older_numbas_give_them(monkeypatch):
+    """numba before 0.60 names its locators with a leading underscore; without them the kernels
+    keep numba's own cache rather than failing to import."""
+    class Old:
+        def get_source_stamp(self):
+            return "own"
+
+    monkeypatch.setattr(jit, "caching", types.SimpleNamespace(_InTreeCacheLocator=Old))
+    cls = jit._stamped("InTreeCacheLocator")
+    assert issubclass(cls, Old) and cls().get_source_stamp() == ("own", jit.sources_digest())
+    assert jit._stamped("UserWideCacheLocator") is None
