@@ -233,7 +233,7 @@ class NumbaBackend:
                ix.split, ix.width - 1, policy, step)
         orders = [_NO_ORDER] * parts
         if parts > 1:  # each part's occurrences: those whose home bucket is in its range
-            owner = np.empty(n, np.uint8)
+            owner = np.empty(n, np.int32)
             spans = ranges(n, parts)
             run_parts(lambda p: lnb.owners(nk[slice(*spans[p])], ix.num_buckets, ix.split, parts,
                                            owner[slice(*spans[p])]), parts)

@@ -7,7 +7,8 @@ version that changes one, and the caller's cache still holds the old callee: two
 table then compute different rows, silently. Every kernel of the package is compiled through
 this ``njit``, whose cache is valid only for the sources it was built from: those of
 :data:`SOURCES` (``tests/kernels/test_jit.py`` checks that they cover every module with a
-kernel and every module of the package those import).
+kernel and every module of the package those import). (numba's NUMBA_CACHE_LOCATOR_CLASSES
+replaces these locators, and with them the digest.)
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def njit(*args, **options):
         return njit(**options)(args[0])
     if not options.get("cache"):
         return numba.njit(*args, **options)
+    if args:  # numba would compile a signature at once, before the cache is set
+        raise TypeError("dynemb.kernels.jit.njit(cache=True) takes no signature: kernels "
+                        "compile for the types they are called with")
     options["cache"] = False
 
     def wrap(fn):

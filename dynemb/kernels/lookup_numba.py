@@ -28,6 +28,8 @@ writes, so a call where a key gets no row is undone slot for slot (:func:`undo`)
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
@@ -103,6 +105,7 @@ _LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 _HIGHS = np.uint64(0x8080808080808080)
 _NOT_ERASED = np.uint64(0xFEFEFEFEFEFEFEFE)
 _ALL = ~np.uint64(0)
+_LITTLE = sys.byteorder == "little"
 
 
 @njit(cache=True, inline="always")
@@ -188,7 +191,8 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     set_pos[:] = -1
     smask = np.uint64(set_pos.shape[0] - 1)
     width = bmask + 1
-    words = width >= 16 and dig.shape[0] % 8 == 0 and dig.ctypes.data % 8 == 0
+    words = (_LITTLE and width > _SHORT and dig.shape[0] % 8 == 0
+             and dig.ctypes.data % 8 == 0)  # (slot 8w + b is byte b of word w)
     dig64 = dig.view(np.uint64) if words else np.empty(0, np.uint64)
     short = _SHORT if words else width  # slots probed one by one
     n_j = 0

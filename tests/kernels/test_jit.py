@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import shutil
 import sys
 import types
 from pathlib import Path
+
+import pytest
 
 import dynemb
 from dynemb.kernels import jit
@@ -16,13 +19,29 @@ from dynemb.kernels import jit
 PACKAGE = Path(dynemb.__file__).resolve().parent
 
 
+def _module(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
 def _imports(path: Path) -> set[str]:
-    """The dynemb modules ``path`` imports."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    return _imports_in(path.read_text(), package)
+
+
+def _imports_in(text: str, package: str) -> set[str]:
+    """The dynemb modules (and names in them) ``text`` imports, relative imports resolved
+    against ``package``."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dynemb"):
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("dynemb"):
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("dynemb"))
     return out
@@ -30,6 +49,8 @@ def _imports(path: Path) -> set[str]:
 
 def _file(module: str) -> Path | None:
     rel = Path(*module.split(".")[1:])
+    if not rel.parts:
+        return PACKAGE / "__init__.py"
     for p in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
         if p.is_file():
             return p
@@ -38,18 +59,32 @@ def _file(module: str) -> Path | None:
 
 def test_the_sources_cover_every_kernel_module_and_what_it_imports():
     covered = set(jit.source_files())
+    uses = re.compile(r"^\s*(from numba\b|import numba\b|from (dynemb\.kernels)?\.?jit import)",
+                      re.M)
     kernels = [p for p in PACKAGE.rglob("*.py")
-               if ("@njit" in p.read_text() or "njit(" in p.read_text()) and p.name != "jit.py"]
+               if p.name != "jit.py" and uses.search(p.read_text())]
     assert len(kernels) >= 8
     for p in kernels:
         text = p.read_text()
-        assert "from numba import njit" not in text and "numba.njit" not in text, (
-            f"{p} compiles with numba's njit: use dynemb.kernels.jit.njit")
-        assert p in covered, f"{p} has kernels but is not in jit.SOURCES"
+        assert not re.search(r"from numba import .*\b(n?jit)\b|numba\.n?jit\b", text), (
+            f"{p} compiles with numba's own jit: use dynemb.kernels.jit.njit")
+        assert p in covered, f"{p} uses numba but is not in jit.SOURCES"
         for module in _imports(p):
             f = _file(module)
             if f is not None and f.name != "__init__.py":
                 assert f in covered, f"{p} imports {module}, which is not in jit.SOURCES"
+
+
+def test_the_coverage_check_sees_relative_and_package_imports():
+    src = "from . import hashing\nfrom ..planner import cost\nfrom dynemb import units\n"
+    found = _imports_in(src, "dynemb.kernels")
+    assert {"dynemb.kernels.hashing", "dynemb.planner.cost", "dynemb.units"} <= found
+    assert _file("dynemb.units") == PACKAGE / "units.py" and _file("dynemb") is not None
+
+
+def test_a_signature_is_refused():
+    with pytest.raises(TypeError, match="no signature"):
+        jit.njit("int64(int64)", cache=True)
 
 
 def test_the_digest_follows_every_source(tmp_path):

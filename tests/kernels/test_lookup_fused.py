@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynemb.kernels import lookup_numba as lnb
 from dynemb.kernels import threads
 from dynemb.kernels.backend import NUMBA, TORCH, NumbaBackend, staged_lookup
 from dynemb.kernels.hashing import index_hash
@@ -83,18 +84,20 @@ def test_fused_lookup_equals_its_steps(policy, split, calls, n_threads, rnd):
         _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd)
 
 
-wide_call_st = calls_of(list(range(1, 70)) + [-1, 2**63 - 1], 48)
+wide_call_st = calls_of(list(range(1, 140)) + [-1, 2**63 - 1], 96)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(POLICIES), st.sampled_from([NB, 1]), st.lists(wide_call_st, max_size=10),
-       st.sampled_from([1, 2]), st.randoms(use_true_random=False))
-def test_fused_lookup_equals_its_steps_in_wide_buckets(policy, split, calls, n_threads, rnd):
-    """Buckets of 16 slots, full or nearly, with tombstones: a probe longer than 8 slots reads
-    the rest of the bucket 8 digests at a time (``lookup_numba._probe_words``),
-    and must find what the slot by slot probe finds."""
+       st.sampled_from([1, 2]), st.sampled_from([32, 64]), st.randoms(use_true_random=False))
+def test_fused_lookup_equals_its_steps_in_wide_buckets(policy, split, calls, n_threads, width,
+                                                       rnd):
+    """Buckets of 32 or 64 slots, full or nearly, with tombstones: a probe longer than
+    ``lookup_numba._SHORT`` (16) slots reads the rest of its bucket 8 digests at a time
+    (``_probe_words``), and must find what the slot by slot probe finds."""
+    assert width > lnb._SHORT
     with mock.patch.object(threads, "MIN_PER_PART", 1):
-        _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd, width=16)
+        _check_sequence(policy, split, calls, NumbaBackend(n_threads), rnd, width=width)
 
 
 def _check_sequence(policy, split, calls, fused, rnd, width=WIDTH):
@@ -150,18 +153,20 @@ def test_both_backends_resolve_the_same_keys(atomic):
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_long_probes_in_full_wide_buckets_find_what_the_steps_find(n_threads):
-    """Many evicting calls fill 16-slot buckets with keys anywhere on their probe paths (an
-    evicting key takes the victim's slot), tombstones among them: each call, fused and staged,
-    leaves the same index; most keys found lie 8 or more slots along their path."""
+@pytest.mark.parametrize("width", [32, 128])
+def test_long_probes_in_full_wide_buckets_find_what_the_steps_find(n_threads, width):
+    """Many evicting calls fill wide buckets with keys anywhere on their probe paths (an evicting
+    key takes the victim's slot), tombstones among them: each call, fused and staged, leaves the
+    same index, and many keys found lie past the slots the probe reads one by one
+    (``lookup_numba._SHORT``), where it reads words of 8 digests."""
     gen = torch.Generator().manual_seed(7)
-    ixs = [HashIndex(4, 16, torch.device("cpu"), NUMBA) for _ in range(2)]
+    ixs = [HashIndex(4, width, torch.device("cpu"), NUMBA) for _ in range(2)]
     fused = NumbaBackend(n_threads)
     none = torch.empty(0, dtype=torch.int64)
     far = 0
     with mock.patch.object(threads, "MIN_PER_PART", 1):
         for step in range(1, 80):
-            keys = torch.randint(1, 400, (40,), generator=gen)
+            keys = torch.randint(1, 25 * width, (3 * width,), generator=gen)
             results = [_run(ix, be, keys, none, P_LRU, step, True, False, None)
                        for ix, be in zip(ixs, (fused, None))]
             _equal(*results)
@@ -173,6 +178,6 @@ def test_long_probes_in_full_wide_buckets_find_what_the_steps_find(n_threads):
                 assert torch.equal(a[name], b[name]), name
             slots = results[0].slots
             found = slots[slots >= 0]
-            start = index_hash(ixs[0].keys[found]) & 15
-            far += int(((((found % 16) - start) & 15) >= 8).sum())
-    assert far > 300  # (the word path was taken for hits, not only for misses)
+            start = index_hash(ixs[0].keys[found]) & (width - 1)
+            far += int(((((found % width) - start) & (width - 1)) >= lnb._SHORT).sum())
+    assert far > 1000  # (the word path found keys, not only missed them)
