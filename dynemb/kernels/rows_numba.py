@@ -39,8 +39,8 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
     float32 (the pairs of ``rows_torch.quantile_table``), (low, high) for UNIFORM, (value, -)
     for CONSTANT. Element j of key k takes the 32 bits ``element_bits(fmix64(k ^ table_mix),
     j)``; a normal element is ``a + b·(q_i + f·(q_{i+1} - q_i))`` in float32, with i the high 16
-    bits and f the low 16 bits / 2**16 (measured: 167 -> 95 ns per row of 64 against 64-bit
-    hashes and float64 arithmetic).
+    bits and f the low 16 bits / 2**16 (against 64-bit hashes and float64 arithmetic, per row
+    of 64: 167 -> 138 ns normal, 88 -> 52 ns uniform).
     """
     width = dst.shape[1]
     tmix = np.uint64(table_mix)
