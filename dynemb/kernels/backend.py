@@ -231,7 +231,7 @@ class NumbaBackend:
         nk, cu = _np(keys), _np(custom)
         ixa = (_np(ix.keys), _np(ix.scores), _np(ix.digests), _np(ix.pins), ix.num_buckets,
                ix.split, ix.width - 1, policy, step)
-        orders = [_NO_ORDER] * parts
+        orders = [_NO_ORDER]
         if parts > 1:  # each part's occurrences: those whose home bucket is in its range
             owner = np.empty(n, np.int32)
             spans = ranges(n, parts)

@@ -85,10 +85,8 @@ def njit(*args, **options):
         dispatcher = numba.njit(*args, **options)(fn)
         if not hasattr(dispatcher, "py_func"):  # NUMBA_DISABLE_JIT: the function itself
             return dispatcher
-        try:
-            if _Cache is None:  # a numba without these classes: its own cache
-                raise RuntimeError
-            dispatcher._cache = _Cache(dispatcher.py_func)  # what cache=True would have set
+        try:  # what cache=True would have set; numba's own where this numba lacks our classes
+            dispatcher._cache = (_Cache or caching.FunctionCache)(dispatcher.py_func)
         except RuntimeError:  # no locator of ours fits (a zipped package): numba's own, whose
             dispatcher.enable_caching()  # stamp is the whole archive's
         return dispatcher
