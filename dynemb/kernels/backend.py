@@ -224,7 +224,7 @@ class NumbaBackend:
         n = keys.numel()
         parts = self._parts(n)
         m = lnb.set_size(n)
-        sets = [(np.empty(m, np.int64), np.empty(m, np.int64)) for _ in range(parts)]
+        sets = [np.empty((m, 2), np.int64) for _ in range(parts)]
         first, slots, slot_at, free_at = (np.empty(n, np.int64) for _ in range(4))
         journal = np.empty((parts, 3 * n if atomic else 0, 5), np.int64)
         tiers = np.zeros((parts, 4), np.int64)
@@ -242,7 +242,7 @@ class NumbaBackend:
         def probe(p):
             if parts > 1:
                 orders[p] = orders[p][:lnb.part_order(owner, p, orders[p])]
-            return lnb.probe(parts == 1, orders[p], nk, cu, *ixa, touch, hbm_rows, *sets[p],
+            return lnb.probe(parts == 1, orders[p], nk, cu, *ixa, touch, hbm_rows, sets[p],
                              first, slots, slot_at, free_at, journal[p], tiers[p])
 
         n_j = run_parts(probe, parts)

@@ -115,7 +115,7 @@ def _sources(rids, split):
 
 
 @njit(cache=True, nogil=True)
-def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, set_keys, set_pos,
+def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, bset,
            first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted, ev_keys,
            ev_slots, ev_scores, journal, res):
     """Finds and inserts the ids of tables ``[t_lo, t_hi)`` as ``NumbaBackend.lookup`` does for
@@ -125,8 +125,8 @@ def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, set_keys, set_pos,
     An atomic table (``ip[t, I_ATOMIC]``, which journals) where an id got no row is undone at
     once and the part stops there (``res[t, R_UNDONE]``); a table whose lookup ran has
     ``res[t, R_DONE]``.
-    ``set_keys``/``set_pos``: the part's batch-local set, at least ``set_size`` of its largest
-    table; ``ev_slots`` prefilled with -1."""
+    ``bset``: the part's batch-local set (``lookup_numba.probe``), at least ``set_size`` slots
+    of its largest table; ``ev_slots`` prefilled with -1."""
     custom = _I64
     allowed = np.empty(0, np.bool_)
     for t in range(t_lo, t_hi):
@@ -139,7 +139,7 @@ def lookup(t_lo, t_hi, keys, ko, addr, ip, steps, set_keys, set_pos,
         r = res[t]
         r[:] = 0
         n_j = lnb.probe(True, _I64, keys[lo:hi], custom, ikeys, iscores, dig, pins, a[0], a[1],
-                        a[2], a[3], a[4], True, ip[t, I_HBM_ROWS], set_keys[:m], set_pos[:m],
+                        a[2], a[3], a[4], True, ip[t, I_HBM_ROWS], bset[:m],
                         first[lo:hi], slots[lo:hi], slot_at[lo:hi], free_at[lo:hi], jr,
                         r[R_TIERS:R_TIERS + 4])
         r[R_DISTINCT] = lnb.number_first(first[lo:hi], slot_at[lo:hi], free_at[lo:hi],

@@ -38,7 +38,7 @@ from dynemb.kernels.index_numba import (
     _touch, claim_slot, new_score, record_eviction, victim,
 )
 from dynemb.kernels.jit import njit
-from dynemb.kernels.prefetch import AHEAD, prefetch
+from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_read
 
 T_HBM_HITS, T_DDR_HITS, T_HBM_MISSES, T_DDR_MISSES = 0, 1, 2, 3
 """Indices of the per-tier counts :func:`probe` adds to ``tiers`` (a key's occurrences are hits
@@ -47,7 +47,9 @@ _SET_SHIFT = np.uint64(24)  # the set's slot comes from bits the index's bucket 
 
 
 def set_size(n: int) -> int:
-    """Slots of the batch-local set for ``n`` keys: a power of two at least 2n (load <= 0.5)."""
+    """Slots of the batch-local set for ``n`` keys: a power of two at least 2n (load <= 0.5).
+    The set is an (slots, 2) int64 array: a key and its first occurrence (-1: an empty slot),
+    side by side so that one cache line holds both."""
     return 1 << max(4, (2 * n - 1).bit_length())
 
 
@@ -168,7 +170,7 @@ def _probe_words(dig64, dig, ikeys, base, width, start, k, d, free):
 
 @njit(cache=True, nogil=True)
 def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, split, bmask,
-          policy, step, touch, hbm_rows, set_keys, set_pos, first, slots, slot_at, free_at,
+          policy, step, touch, hbm_rows, bset, first, slots, slot_at, free_at,
           journal, tiers):
     """Finds the keys (N,) at the occurrences ``order`` (increasing), or at all of them with
     ``every``, each distinct key once; returns the journal's length. A part
@@ -179,8 +181,8 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     ``slots[i]`` (its slot or -1), and at a first occurrence p ``slot_at[p]`` (the slot or -1)
     and for a missing key ``free_at[p]``, the offset on its probe path of the first free slot
     (``width`` if none). Found slots are pinned (``PIN_HELD``, unless held) and, with ``touch``,
-    touched per occurrence. ``set_keys``/``set_pos``: the part's batch-local set
-    (``set_size(N)`` slots; filled here). ``tiers`` (4,) int64: the part's hits and misses per
+    touched per occurrence. ``bset``: the part's batch-local set (``set_size(N)`` slots; filled
+    here). ``tiers`` (4,) int64: the part's hits and misses per
     tier added (a hit is in hbm when its slot is below ``hbm_rows``, a miss when its home bucket
     is below ``split``). :func:`number_first` numbers the distinct keys afterwards.
 
@@ -188,8 +190,8 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     probe, which prefetches their lines (``benchmarks/table_ops.py``'s find_or_insert at load
     0.9, Zipf keys: this kernel 5.3 -> 4.6 ms per 65,536 keys); a slot's writes keep their
     order."""
-    set_pos[:] = -1
-    smask = np.uint64(set_pos.shape[0] - 1)
+    bset[:, 1] = -1
+    smask = np.uint64(bset.shape[0] - 1)
     width = bmask + 1
     words = (_LITTLE and width > _SHORT and dig.shape[0] % 8 == 0
              and dig.ctypes.data % 8 == 0)  # (slot 8w + b is byte b of word w)
@@ -221,7 +223,7 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
             ha = index_hash_nb(ka)
             ta = (home_bucket_nb(ka, ha, num_buckets, split) * width
                   + np.int64(ha & np.uint64(bmask)))
-            prefetch(set_pos, (ha >> _SET_SHIFT) & smask)
+            prefetch_read(bset, (ha >> _SET_SHIFT) & smask, 0)
             prefetch(dig, ta)
             prefetch(ikeys, ta)
         i = t if every else order[t]
@@ -230,14 +232,14 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
         bucket = home_bucket_nb(k, h, num_buckets, split)
         p = (h >> _SET_SHIFT) & smask
         while True:
-            f = set_pos[p]
-            if f < 0 or set_keys[p] == k:
+            f = bset[p, 1]
+            if f < 0 or bset[p, 0] == k:
                 break
             p = (p + np.uint64(1)) & smask
         if f < 0:  # the first occurrence: probe the index
             f = i
-            set_pos[p] = i
-            set_keys[p] = k
+            bset[p, 0] = k
+            bset[p, 1] = i
             base = bucket * width
             start = np.int64(h & np.uint64(bmask))
             d = digest_of_nb(h)

@@ -208,9 +208,9 @@ class TableGroup:
         def look(p: int) -> None:
             lo, hi = spans[p]
             m = lnb.set_size(int(np.diff(ko[lo:hi + 1]).max(initial=0)))
-            gnb.lookup(lo, hi, kn, ko, self.addr, self.ip, steps, np.empty(m, np.int64),
-                       np.empty(m, np.int64), first, slots, slot_at, free_at, inverse, uslot,
-                       ufree, upos, inserted, ev_keys, ev_slots, ev_scores, journal, res)
+            gnb.lookup(lo, hi, kn, ko, self.addr, self.ip, steps, np.empty((m, 2), np.int64),
+                       first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
+                       ev_keys, ev_slots, ev_scores, journal, res)
 
         run_parts(look, len(spans))
         undone = np.flatnonzero(res[:, gnb.R_UNDONE])
