@@ -48,7 +48,7 @@ _SET_SHIFT = np.uint64(24)  # the set's slot comes from bits the index's bucket 
 
 def set_size(n: int) -> int:
     """Slots of the batch-local set for ``n`` keys: a power of two at least 2n (load <= 0.5).
-    The set is an (slots, 2) int64 array: a key and its first occurrence (-1: an empty slot),
+    The set is a (slots, 2) int64 array: a key and its first occurrence (-1: an empty slot),
     side by side so that one cache line holds both."""
     return 1 << max(4, (2 * n - 1).bit_length())
 
@@ -182,9 +182,9 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     and for a missing key ``free_at[p]``, the offset on its probe path of the first free slot
     (``width`` if none). Found slots are pinned (``PIN_HELD``, unless held) and, with ``touch``,
     touched per occurrence. ``bset``: the part's batch-local set (``set_size(N)`` slots; filled
-    here). ``tiers`` (4,) int64: the part's hits and misses per
-    tier added (a hit is in hbm when its slot is below ``hbm_rows``, a miss when its home bucket
-    is below ``split``). :func:`number_first` numbers the distinct keys afterwards.
+    here). ``tiers`` (4,) int64: the part's hits and misses per tier added (a hit is in hbm
+    when its slot is below ``hbm_rows``, a miss when its home bucket is below ``split``).
+    :func:`number_first` numbers the distinct keys afterwards.
 
     A found key's pin, score and journal entry are written ``AHEAD`` occurrences after its
     probe, which prefetches their lines (``benchmarks/table_ops.py``'s find_or_insert at load
