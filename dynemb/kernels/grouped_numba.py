@@ -210,7 +210,7 @@ def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse,
         if pool[t] == 1:
             rids = unique_slots[lo:lo + u]
             src = rids if ddr.shape[0] == 0 else _sources(rids, split)
-            pnb.pool(hbm, ddr[:, :dim], src, inverse[lo:hi], lengths[bo[t]:bo[t + 1]],
+            pnb.pool(hbm, ddr, src, inverse[lo:hi], lengths[bo[t]:bo[t + 1]],
                      weights[lo:hi] if weights.shape[0] else weights, batch, dim,
                      ip[t, I_MEAN] != 0, out, ip[t, I_COL], 0, bo[t + 1] - bo[t])
 
