@@ -3,8 +3,9 @@
 The ids of F features of one table (feature-major, bags of B samples each) were resolved into U
 unique entries: ``inverse[i]`` is the entry of id i and ``src[u]`` where entry u's embedding is:
 ``rows[src[u], :dim]`` when ``src[u] >= 0``, else ``extra[-src[u] - 1, :dim]`` (eval-initializer
-rows of keys without a row, or a HYBRID table's ddr rows). Pooled output: ``out[b, f·dim:(f+1)·dim] = Σ_i w_i · e(i) / n`` over
-the ids i of bag (f, b), n = the bag length for MEAN, 1 for SUM; w_i = 1 without weights.
+rows of keys without a row, or a HYBRID table's ddr rows). Pooled output:
+``out[b, f·dim:(f+1)·dim] = Σ_i w_i · e(i) / n`` over the ids i of bag (f, b), n = the bag length
+for MEAN, 1 for SUM; w_i = 1 without weights.
 """
 
 from __future__ import annotations
