@@ -126,7 +126,7 @@ def _first_byte(m):
 
 
 @njit(cache=True, inline="always")
-def _probe_words(dig64, dig, ikeys, base, width, start, k, d, free):
+def _probe_words(dig64, ikeys, base, width, start, k, d, free):
     """The probe of :func:`probe` from path offset ``_SHORT`` on, 8 digests a read: (slot of key
     ``k`` (digest ``d``) or -1, the offset of the first free slot on its path, ``free`` if it
     was already found, else ``width`` if none). Reads the bucket's words of digests in path
@@ -262,7 +262,7 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
                 elif ds == D_ERASED and free == width:
                     free = j
             if not ended and short < width:  # a long probe: the rest by words of 8 digests
-                s, free = _probe_words(dig64, dig, ikeys, base, width, start, k, d, free)
+                s, free = _probe_words(dig64, ikeys, base, width, start, k, d, free)
             slot_at[i] = s
             free_at[i] = free
             if s >= 0:
