@@ -14,6 +14,10 @@ Workload, per load factor λ (capacity C, query Q keys per call):
     Zipf hits the resident hot ids most of the time and inserts the tail, uniform inserts nearly
     every id; at 0.9 full buckets evict (``find_or_insert_evicted_keys_per_call`` > 0);
   * insert_or_assign: Q distinct ids drawn the same way, with random values.
+Beside them, the memory ceiling of find (``_ceiling.RowGather``, timed right after dynemb's
+verbs): a bare gather of Q rows of a (capacity, dim) float32 table, the rows of find's ranks
+(each resident rank stands for one row, scattered at random), with no index at all: what find
+would reach if looking a key up cost nothing.
 The verbs that change the table run on a table restored to the filled state before each repeat
 (outside the timed region). Ranks are scrambled into scattered positive int64 ids. All three
 implementations get the same query batches; each repeat uses another batch; one untimed call
@@ -34,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dynemb  # noqa: E402
+from _ceiling import RowGather  # noqa: E402
 from _common import (  # noqa: E402
     base_parser, distinct_ranks, draw_ranks, emit, environment, loadavg_1m, log, rank_to_id,
     rate_m, ratio, restore_, set_threads, summary_ms, timed,
@@ -130,15 +135,21 @@ def capacity_of(table, impl: str) -> int:
 
 
 def make_queries(args, rng, num_resident: int) -> dict:
-    """Per distribution: per verb, ``repeats + 1`` batches (the first one warms up)."""
+    """Per distribution: per verb, ``repeats + 1`` batches (the first one warms up); and
+    ``find_rows``, the rows of find's batches for the memory ceiling (rank r: row
+    ``scatter[r - 1]``)."""
     n, q = args.repeats + 1, args.query_keys
+    scatter = np.random.default_rng(args.seed + 1).permutation(args.capacity)  # own stream
     out = {}
     for dist in args.dists:
         def draw(hi: int, dist: str = dist) -> torch.Tensor:
             return rank_to_id(draw_ranks(rng, dist, q, hi, args.zipf_exponent))
 
+        find_ranks = [draw_ranks(rng, dist, q, num_resident, args.zipf_exponent)
+                      for _ in range(n)]
         out[dist] = {
-            "find": [draw(num_resident) for _ in range(n)],
+            "find": [rank_to_id(r) for r in find_ranks],
+            "find_rows": [scatter[r - 1] for r in find_ranks],
             "find_or_insert": [draw(args.universe) for _ in range(n)],
             "insert_or_assign": [
                 (rank_to_id(distinct_ranks(rng, dist, q, args.universe, args.zipf_exponent)),
@@ -225,8 +236,21 @@ def bench_impl(impl: str, args, load: float, queries: dict, resident: torch.Tens
             log(f"[table_ops] {impl} {dist} load {load}: {op} "
                 f"{rec[f'{op}_mkeys_per_s']:.2f} M keys/s")
         restore(table, impl, snap)
+        if impl == "dynemb":
+            rec["memory_ceiling"] = find_ceiling(args, queries[dist]["find_rows"])
         out[dist] = rec
     return out
+
+
+def find_ceiling(args, batches: list[np.ndarray]) -> dict:
+    """The bare row gather of find's rows (the first batch warms up, as find's did)."""
+    seconds = RowGather(args.capacity, args.dim, args.query_keys).times(
+        batches[1:], [1], args.repeats)[1]
+    s = summary_ms(seconds)
+    rate = rate_m(args.query_keys, s["median_ms"])
+    log(f"[table_ops] memory ceiling of find: {rate:.2f} M keys/s")
+    return {"what": "a bare gather of find's rows, no index", "row_gather_ms": s["median_ms"],
+            "row_gather_ms_p90": s["p90_ms"], "row_gather_mkeys_per_s": rate}
 
 
 def main(argv=None) -> dict:
@@ -301,6 +325,9 @@ def targets(results: list[dict]) -> list[dict]:
             got = rec["dynemb"][f"{op}_mkeys_per_s"]
             out.append({"what": f"{op} {rec['dist']} load 0.9", "target_mkeys_per_s": target,
                         "measured_mkeys_per_s": got, "met": bool(got >= target)})
+            if op == "find":
+                out[-1]["memory_ceiling_mkeys_per_s"] = \
+                    rec["dynemb"]["memory_ceiling"]["row_gather_mkeys_per_s"]
     return out
 
 

@@ -9,8 +9,10 @@ rounds:
     threads; torch's own ops, small ones, stay on one);
   * ``torch_N``: ``torch.set_num_threads(N)``, ``TableConfig.threads`` None (follows torch).
 The JSON has each one's median and P90 ms per step and the speed-ups over ``1`` (target: >= 1.6x
-at 2 threads on this 2-core machine; a C random row gather here scales 1.5-1.8x from one core to
-two).
+at 2 threads on this 2-core machine). Beside them, in the same rounds, the memory ceiling
+(``_ceiling.RowGather``): a bare gather of each step's rows (the ids modulo the capacity, the
+rows the fixed-table baselines of ``train_step.py`` read), at 1 and at N threads; a step that
+reads and writes those rows, and more, cannot scale better than this gather does.
 
     .venv/bin/python benchmarks/threads.py [--threads 2] [--optimizers sgd,adam] [--out PATH]
 """
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _ceiling import RowGather  # noqa: E402
 from _common import emit, environment, loadavg_1m, log, summary_ms, timed  # noqa: E402
 from train_step import Ours, Stream, parse_args, warm_up  # noqa: E402
 
@@ -41,21 +44,34 @@ def measure(args, dim: int, opt: str, n: int) -> dict:
         warm[name] = warm_up(ours, Stream(args, seed=1), args)
     stream = Stream(args, seed=2)
     times: dict[str, list[float]] = {name: [] for name in configs}
+    gather = RowGather(args.capacity, dim, args.batch_size * args.bag_size)
+    gathered: dict[int, list[float]] = {1: [], n: []}
     for _ in range(args.rounds):
         steps = [stream.next() for _ in range(args.steps)]
         for name, (t, ours) in configs.items():
             torch.set_num_threads(t)
             for s in steps:
                 times[name].append(timed(lambda: ours.step(s)))
+        torch.set_num_threads(1)
+        for t, v in gather.times([s.ids_mod.numpy() for s in steps], [1, n],
+                                 args.steps).items():
+            gathered[t] += v
     ms = {name: summary_ms(v) for name, v in times.items()}
     one = ms["1"]["median_ms"]
     speedup = {name: one / v["median_ms"] for name, v in ms.items() if name != "1"}
+    g_ms = {str(t): summary_ms(v) for t, v in gathered.items()}
+    ceiling = g_ms["1"]["median_ms"] / g_ms[str(n)]["median_ms"]
     log(f"dim {dim} {opt}: " + ", ".join(f"{k} {v['median_ms']:.1f} ms" for k, v in ms.items())
-        + " | speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in speedup.items()))
+        + " | speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in speedup.items())
+        + f" | bare row gather {ceiling:.2f}x")
     best = max(speedup.values())
     return {"dim": dim, "optimizer": opt, "ms_per_step": ms, "warmup": warm,
-            "speedup": speedup, "target": {"least_speedup": TARGET, "best": best,
-                                           "met": best >= TARGET}}
+            "speedup": speedup,
+            "memory_ceiling": {"what": "a bare gather of each step's rows (ids modulo the "
+                                       "capacity), ms per call at 1 and N threads",
+                               "ms_per_gather": g_ms, "speedup": ceiling},
+            "target": {"least_speedup": TARGET, "best": best, "met": best >= TARGET,
+                       "memory_ceiling_speedup": ceiling}}
 
 
 def main(argv=None) -> dict:

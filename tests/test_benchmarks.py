@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,9 @@ def test_table_ops_smoke(tmp_path):
                 assert r[impl][f"{op}_ms_p90"] >= r[impl][f"{op}_ms"]
             assert 0 < r[impl]["load_factor_actual"] <= 1
             assert r[impl]["find_hit_rate"] > 0.9
+        ceiling = r["dynemb"]["memory_ceiling"]
+        assert positive(ceiling["row_gather_mkeys_per_s"])
+        assert ceiling["row_gather_ms_p90"] >= ceiling["row_gather_ms"]
         for op in ops:
             for base in impls[1:]:
                 assert positive(r["ratios"][f"{op}_vs_{base}"])
@@ -60,6 +64,8 @@ def test_table_ops_smoke(tmp_path):
             assert r["dynemb"]["find_or_insert_new_keys_per_call"] > 0
     assert len(rec["targets"]) == 6  # find, find_or_insert, insert_or_assign x zipf, uniform
     assert all(positive(t["measured_mkeys_per_s"]) for t in rec["targets"])
+    for t in rec["targets"]:  # find's carry its memory ceiling
+        assert ("memory_ceiling_mkeys_per_s" in t) == t["what"].startswith("find ")
 
 
 def test_train_step_smoke(tmp_path):
@@ -118,6 +124,28 @@ def test_threads_smoke(tmp_path):
             assert x == pytest.approx(ms["1"]["median_ms"] / ms[name]["median_ms"])
         assert r["target"]["best"] == max(r["speedup"].values())
         assert r["target"]["met"] == (r["target"]["best"] >= 1.6)
+        g = r["memory_ceiling"]
+        assert set(g["ms_per_gather"]) == {"1", "2"}
+        assert g["speedup"] == pytest.approx(g["ms_per_gather"]["1"]["median_ms"]
+                                             / g["ms_per_gather"]["2"]["median_ms"])
+        assert r["target"]["memory_ceiling_speedup"] == g["speedup"]
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_the_memory_ceiling_gathers_the_rows_asked(parts, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from _ceiling import RowGather
+
+    g = RowGather(100, 5, 40)
+    idx = np.random.default_rng(1).integers(0, 100, 37)
+    assert g.seconds(idx, parts) > 0
+    np.testing.assert_array_equal(g.out[:37], g.rows[idx])
+    counts = sorted({1, parts})
+    times = g.times([idx, idx[:10]], counts, 3)
+    assert sorted(times) == counts and all(len(v) == 3 for v in times.values())
+    for bad in (np.array([100]), np.array([-1]), np.arange(41) % 100):
+        with pytest.raises(ValueError, match="RowGather"):
+            g.seconds(bad, parts)
 
 
 def test_routing_balance_smoke(tmp_path):
