@@ -107,7 +107,17 @@ def test_threads_must_be_a_positive_count():
     assert dynemb.TableConfig(name="t", dim=4, features=("f",), capacity=8).threads is None
 
 
-def test_run_parts_waits_for_every_part_and_raises_a_parts_error():
+@pytest.fixture(params=["openmp", "pool"])
+def dispatch(request, monkeypatch):
+    """run_parts on torch's OpenMP threads (where this torch has them) and on the pool."""
+    if request.param == "pool":
+        monkeypatch.setattr(threads, "_openmp", lambda: None)
+    elif threads._openmp() is None:
+        pytest.skip("this torch does not run its ops on GNU OpenMP")
+    return request.param
+
+
+def test_run_parts_waits_for_every_part_and_raises_a_parts_error(dispatch):
     ended = []
 
     def part(p):
@@ -122,11 +132,99 @@ def test_run_parts_waits_for_every_part_and_raises_a_parts_error():
     assert threads.run_parts(lambda p: p * 10, 3) == [0, 10, 20]
     assert threads.ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]
 
+    def fails_after_0(p):
+        if p:
+            raise ValueError(f"part {p}")
+
+    with pytest.raises(ValueError, match="part 1"):  # the first part's error, in part order
+        threads.run_parts(fails_after_0, 4)
+
+    def interrupted(p):
+        if p == 2:
+            raise KeyboardInterrupt
+        return p
+
+    with pytest.raises(KeyboardInterrupt):  # an interrupt in a part is raised, not swallowed
+        threads.run_parts(interrupted, 3)
+
+
+def test_run_parts_runs_its_parts_at_once_on_other_threads(dispatch):
+    """Each part waits for the others at a barrier: the call only returns if all of them ran
+    at the same time. On torch's OpenMP threads none of them is a thread of the pool."""
+    import threading
+    barrier = threading.Barrier(3, timeout=30)
+
+    def part(p):
+        barrier.wait()
+        return threading.current_thread().name
+
+    names = threads.run_parts(part, 3)
+    assert threading.current_thread().name in names and len(set(names)) == 3
+    on_pool = [n for n in names if n.startswith("dynemb-kernel")]
+    assert len(on_pool) == (2 if dispatch == "pool" else 0)
+
+
+def test_run_parts_inside_a_part_and_from_several_threads_at_once(dispatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def nested(p):
+        return threads.run_parts(lambda q: (p, q), 3)
+
+    assert threads.run_parts(nested, 2) == [[(p, q) for q in range(3)] for p in range(2)]
+
+    def calls(c):
+        return [threads.run_parts(lambda p: (c, k, p), 3) for k in range(30)]
+
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(calls, range(4)))
+    assert got == [[[(c, k, p) for p in range(3)] for k in range(30)] for c in range(4)]
+
+
+def _in_child(conn) -> None:
+    import threading
+    barrier = threading.Barrier(2, timeout=30)
+    try:
+        conn.send(threads.run_parts(lambda p: (barrier.wait(), p)[1], 2))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(repr(e))
+
+
+@pytest.mark.parametrize("parent", ["split a call", "ran a torch op only"])
+def test_a_forked_child_runs_its_parts_on_a_pool_of_its_own(parent, monkeypatch):
+    """GNU OpenMP's threads do not survive a fork: a child (a data-loader worker) of a process
+    that ran OpenMP, through a split call or a parallel op of torch's, runs its parts on the
+    pool."""
+    import multiprocessing as mp
+    if parent == "split a call":
+        assert threads.run_parts(lambda p: p, 2) == [0, 1]
+    else:
+        monkeypatch.setattr(threads, "_omp", [])  # not looked up yet
+        with torch.inference_mode():
+            before = torch.get_num_threads()
+            torch.set_num_threads(2)
+            try:
+                torch.ones(1 << 20).sum()  # torch's own OpenMP threads start
+            finally:
+                torch.set_num_threads(before)
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_in_child, args=(there,))
+    child.start()
+    try:
+        assert here.poll(60), "the child's call did not return"
+        assert here.recv() == [0, 1]
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
 
 def test_run_parts_runs_the_parts_itself_once_the_pool_takes_no_work(monkeypatch):
     """At interpreter exit Python stops thread pools before exit hooks (a ddr store's flush)
     run their kernels: the parts then run on the calling thread, in order."""
     from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setattr(threads, "_openmp", lambda: None)
     stopped = ThreadPoolExecutor(2)
     stopped.shutdown()
     monkeypatch.setattr(threads, "_executor", lambda: stopped)
@@ -143,7 +241,7 @@ def test_run_parts_runs_the_parts_itself_once_the_pool_takes_no_work(monkeypatch
             return self.pool.submit(fn, *args)
 
     def part(p):
-        if p in (1, 3):  # part 1 on the pool, part 3 here
+        if p in (1, 3):
             raise ValueError(f"part {p} failed")
         return p
 
