@@ -8,7 +8,7 @@ the result is bit-identical for any number of parts, whichever thread runs which
 small to gain runs as one part.
 
 The other threads are torch's own OpenMP threads where torch runs its ops on GNU OpenMP (its
-Linux builds; ``GOMP_parallel`` of the runtime torch loaded), else a process-wide pool. After
+Linux builds; a team of the runtime torch loaded), else a process-wide pool. After
 each of torch's parallel ops its OpenMP workers spin on the cores for a while, and a pool of
 our own beside them got half a core where they spun: with torch at two threads, a two-thread
 step measured 0.80-0.87x of one thread with the pool, 1.37-1.63x on torch's threads. A
@@ -133,16 +133,22 @@ _BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 class _OpenMP:
-    """GNU OpenMP's ``GOMP_parallel`` of the runtime torch loaded: each thread of the team it
-    starts (the caller is one) works on a call's :class:`_Job`."""
+    """GNU OpenMP's team start and end (``GOMP_parallel_start`` / ``GOMP_parallel_end``) of
+    the runtime torch loaded: the team's other threads work on a call's :class:`_Job` through
+    a ctypes callback, the caller in plain Python between start and end (an interrupt raised
+    in a ctypes callback would be printed and dropped; the caller's is raised as usual)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.jobs: dict[int, _Job] = {}
         self.keys = itertools.count(1)
         self.body = _BODY(self._body)  # kept: the runtime calls it
-        self.parallel = lib.GOMP_parallel
-        self.parallel.argtypes = [_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        self.parallel.restype = None
+        self.start = lib.GOMP_parallel_start
+        self.start.argtypes = [_BODY, ctypes.c_void_p, ctypes.c_uint]
+        self.start.restype = None
+        self.end = lib.GOMP_parallel_end
+        self.end.argtypes, self.end.restype = [], None
+        self.level = lib.omp_get_level
+        self.level.argtypes, self.level.restype = [], ctypes.c_int
 
     def _body(self, key: int) -> None:
         job = self.jobs.get(key)
@@ -153,9 +159,13 @@ class _OpenMP:
         """Runs every part of ``job`` (its errors kept in it)."""
         key = next(self.keys)
         self.jobs[key] = job
+        level = self.level()
         try:
-            self.parallel(self.body, key, job.parts, 0)  # ctypes lets go of the GIL meanwhile
+            self.start(self.body, key, job.parts)  # ctypes lets go of the GIL meanwhile
+            job.work()
         finally:
+            if self.level() > level:  # the team started (even if an interrupt came at once)
+                self.end()  # waits for the team's threads
             del self.jobs[key]
         job.work()  # what a team smaller than asked (a call inside a part) left
 
@@ -186,6 +196,7 @@ def _find_openmp() -> _OpenMP | None:
             lib = ctypes.CDLL(str(path), mode=noload)  # only if torch loaded it
         except OSError:
             continue
-        if hasattr(lib, "GOMP_parallel"):
+        if all(hasattr(lib, f) for f in
+               ("GOMP_parallel_start", "GOMP_parallel_end", "omp_get_level")):
             return _OpenMP(lib)
     return None
