@@ -156,7 +156,9 @@ class _OpenMP:
             job.work()
 
     def run(self, job: _Job) -> None:
-        """Runs every part of ``job`` (its errors kept in it)."""
+        """Runs every part of ``job`` (its errors kept in it): the caller claims parts until none
+        is left, so a team smaller than asked (a call inside a part gets one of one) loses
+        none."""
         key = next(self.keys)
         self.jobs[key] = job
         level = self.level()
@@ -167,7 +169,6 @@ class _OpenMP:
             if self.level() > level:  # the team started (even if an interrupt came at once)
                 self.end()  # waits for the team's threads
             del self.jobs[key]
-        job.work()  # what a team smaller than asked (a call inside a part) left
 
 
 _omp: list[_OpenMP | None] = []
