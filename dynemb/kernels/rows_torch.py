@@ -16,17 +16,15 @@ from dynemb.kernels.rows_numba import INIT_CONSTANT, INIT_UNIFORM, QUANTILE_BITS
 
 @functools.lru_cache(maxsize=16)
 def quantile_table(bound: float, device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """(2·2**16,) float32: for each i < 2**16 the quantile of the standard normal truncated at
-    ±bound at probability i / 2**16 of its mass, then the step to the next quantile (float32
-    subtraction), which the init kernels interpolate; 512 KiB, so it stays in L2 cache. Cached
-    per (bound, device)."""
+    """(2**16 + 1,) float32: for each i <= 2**16 the quantile of the standard normal truncated
+    at ±bound at probability i / 2**16 of its mass, which the init kernels interpolate; 256 KiB,
+    so it stays in L2 cache beside the rows being written. Cached per (bound, device)."""
     if device.type != "cpu":
         return quantile_table(bound).to(device)
     lo = torch.special.ndtr(torch.tensor(-bound, dtype=torch.float64))
     n = 2**QUANTILE_BITS
     p = lo + (1.0 - 2.0 * lo) * torch.arange(n + 1, dtype=torch.float64) / n
-    q = torch.special.ndtri(p).clamp(-bound, bound).to(torch.float32)
-    return torch.stack([q[:-1], q[1:] - q[:-1]], dim=1).flatten()
+    return torch.special.ndtri(p).clamp(-bound, bound).to(torch.float32)
 
 
 def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, table_mix) -> None:
@@ -40,10 +38,11 @@ def init_rows(dst, dst_rows, keys, dim, state_value, kind, a, b, quantiles, tabl
         v = a + (b - a) * ((element_bits(key_mix, j).to(torch.float64) + 0.5) * 2.0**-32)
     else:  # float32 throughout, one rounding per operation, as the numba kernel
         bits = element_bits(key_mix, j)
-        i = (bits >> QUANTILE_BITS) * 2
+        i = bits >> QUANTILE_BITS
         f = (bits & (2**QUANTILE_BITS - 1)).to(torch.float32) * 2.0**-QUANTILE_BITS
         a32, b32 = float(np.float32(a)), float(np.float32(b))
-        v = a32 + b32 * (quantiles[i] + f * quantiles[i + 1])
+        q = quantiles[i]
+        v = a32 + b32 * (q + f * (quantiles[i + 1] - q))
     dst[dst_rows, :dim] = v.to(dst.dtype)
     if dst.shape[1] > dim:
         dst[dst_rows, dim:] = state_value
