@@ -202,6 +202,7 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     dig64 = dig.view(np.uint64) if words else np.empty(0, np.uint64)
     short = _SHORT if words else width  # slots probed one by one
     n_j = 0
+    journaled = journal.shape[0] > 0
     n = keys.shape[0] if every else order.shape[0]
     later = np.full(AHEAD, -1, np.int64)  # found occurrences waiting for their slot's lines
     # the hash and home bucket of occurrence t, computed AHEAD occurrences early for the
@@ -215,13 +216,15 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
         w = later[t % AHEAD]
         if w >= 0:
             s = slots[w]
-            if first[w] == w:
+            if journaled and first[w] == w:
                 # its state before the call, once: :func:`undo` restores the earliest entry of
                 # a slot last, so the slot's later writes (repeated occurrences) need none
                 if touch or pins[s] == PIN_FREE:
                     n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
-                if pins[s] == PIN_FREE:
-                    pins[s] = PIN_HELD
+            # pinned at its key's first occurrence; a repeated one finds it pinned already,
+            # so every occurrence takes the same branch-free store
+            ps = pins[s]
+            pins[s] = PIN_HELD if ps == PIN_FREE else ps
             if touch:
                 _touch(iscores, s, policy, step, custom, w)
         later[t % AHEAD] = -1
