@@ -190,10 +190,11 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     A found key's pin, score and journal entry are written ``AHEAD`` occurrences after its
     probe, which prefetches their lines (``benchmarks/table_ops.py``'s find_or_insert at load
     0.9, Zipf keys: this kernel 5.3 -> 4.6 ms per 65,536 keys); a slot's writes keep their
-    order. Each key is hashed once, when its lines are prefetched, and the tiers are counted in
-    locals: a step's 65,536 ids (``train_step.py``'s evicting table) 5.4 -> 5.0 ms. (The kernel
-    is bound by its instructions more than by memory: with the same ids ordered by bucket, so
-    the index is read in order, it still takes 3.8-4.1 ms of the 5.2-6.5.)"""
+    order. The kernel is bound by its instructions about as much as by memory (the same ids
+    ordered by bucket, so the index is read in order, still take 3.8-4.1 ms of the 5.2-6.5): so
+    each key is hashed once, when its lines are prefetched, the tiers are counted in locals and
+    every found occurrence pins its slot with one branch-free store (a step's 65,536 ids,
+    ``train_step.py``'s evicting table: 5.8-6.2 -> 5.3-5.7 ms)."""
     bset[:, 1] = -1
     smask = np.uint64(bset.shape[0] - 1)
     width = bmask + 1
