@@ -23,7 +23,7 @@ element (``hashing.element_bits``), no transcendental functions, identical value
 backends. An element reads quantiles i and i + 1 (neighbours: one cache line, but for one pair
 in sixteen) and interpolates with their float32 difference, which is exact. (A table of
 (quantile, difference) pairs, 512 KiB, filled this machine's L2 cache: initialising 65,536 rows
-of 64 with it took 11.5-14.4 ms against 10.9-13.0 with this 256 KiB one, the same values.)"""
+of 64 with it took 11.5-14.4 ms against 10.8-13.0 with this 256 KiB one, the same values.)"""
 NORMAL_BOUND = 6.0
 _Q_SHIFT = np.uint32(QUANTILE_BITS)
 _LO32 = np.uint64(0xFFFFFFFF)
