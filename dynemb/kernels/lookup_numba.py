@@ -34,8 +34,8 @@ import numpy as np
 
 from dynemb.kernels.hashing import digest_of_nb, home_bucket_nb, index_hash_nb
 from dynemb.kernels.index_numba import (
-    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, PIN_FREE, PIN_HELD,
-    _touch, claim_slot, new_score, record_eviction, victim,
+    C_EVICTED, C_FAILED, C_INSERTED, C_SIZE_DELTA, D_EMPTY, D_ERASED, P_CUSTOM, P_LFU, PIN_FREE,
+    PIN_HELD, _touch, claim_slot, new_score, record_eviction, victim,
 )
 from dynemb.kernels.jit import njit
 from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_read
@@ -192,9 +192,11 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     0.9, Zipf keys: this kernel 5.3 -> 4.6 ms per 65,536 keys); a slot's writes keep their
     order. The kernel is bound by its instructions about as much as by memory (the same ids
     ordered by bucket, so the index is read in order, still take 3.8-4.1 ms of the 5.2-6.5): so
-    each key is hashed once, when its lines are prefetched, the tiers are counted in locals and
-    every found occurrence pins its slot with one branch-free store (a step's 65,536 ids,
-    ``train_step.py``'s evicting table: 5.8-6.2 -> 5.3-5.7 ms)."""
+    each key is hashed once, when its lines are prefetched, the tiers are counted in locals, a
+    found occurrence pins its slot with one branch-free store, and a repeated occurrence whose
+    touch would change nothing (LRU, NO_EVICTION, STEP) writes nothing to the index (a step's
+    65,536 ids, ``train_step.py``'s evicting table: 5.8-6.2 -> 5.3-5.7 ms for the first three,
+    then 4.6 / 4.6 -> 4.1 / 4.0 ms)."""
     bset[:, 1] = -1
     smask = np.uint64(bset.shape[0] - 1)
     width = bmask + 1
@@ -204,6 +206,9 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     short = _SHORT if words else width  # slots probed one by one
     n_j = 0
     journaled = journal.shape[0] > 0
+    # a repeated occurrence of a found key has its slot pinned and, under LRU or NO_EVICTION,
+    # touched to this step already: only LFU counts and CUSTOM scores need it to touch again
+    every_touch = touch and (policy == P_LFU or policy == P_CUSTOM)
     n = keys.shape[0] if every else order.shape[0]
     later = np.full(AHEAD, -1, np.int64)  # found occurrences waiting for their slot's lines
     # the hash and home bucket of occurrence t, computed AHEAD occurrences early for the
@@ -222,8 +227,8 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
                 # a slot last, so the slot's later writes (repeated occurrences) need none
                 if touch or pins[s] == PIN_FREE:
                     n_j = _save(journal, n_j, s, ikeys, iscores, dig, pins)
-            # pinned at its key's first occurrence; a repeated one finds it pinned already,
-            # so every occurrence takes the same branch-free store
+            # pinned at its key's first occurrence; a repeated one (LFU, CUSTOM) finds it
+            # pinned already, so every occurrence takes the same branch-free store
             ps = pins[s]
             pins[s] = PIN_HELD if ps == PIN_FREE else ps
             if touch:
@@ -301,7 +306,8 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
                 hbm_hits += 1
             else:
                 ddr_hits += 1
-            later[t % AHEAD] = i
+            if f == i or every_touch:
+                later[t % AHEAD] = i
     tiers[T_HBM_HITS] += hbm_hits
     tiers[T_DDR_HITS] += ddr_hits
     tiers[T_HBM_MISSES] += hbm_misses
