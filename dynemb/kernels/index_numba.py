@@ -169,14 +169,33 @@ def restore_scores(slots, prev, iscores):
 @njit(cache=True, inline="always")
 def _lowest_unpinned(iscores, pins, base, width, policy, step):
     """(slot, score) of the lowest-score slot of the bucket not pinned by the running lookup
-    (the first such slot on ties), or (-1, MAX) if all are pinned. Two passes: a branch-free
-    minimum (vectorisable), then the first slot holding it. Under LRU a slot pinned by the
-    running lookup has the current step as its score, so a minimum below the step is usually
-    unpinned: the fast path reads the pins of the slots holding that minimum only, and takes the
-    first free one; if all of them are pinned (held by lookups in flight, cached rows of a
-    backing store, scores loaded from elsewhere), the full scan decides."""
+    (the first such slot on ties), or (-1, MAX) if all are pinned. Under LRU a slot pinned by
+    the running lookup has the current step as its score, so a minimum below the step is
+    usually unpinned. The fast path finds the lowest score and the first slot holding it in one
+    branch-free (vectorised) pass, over score·width + slot: scores are steps, far below
+    2**(63 - log2 width); a bucket holding any score outside [0, that) takes the next path.
+    If that slot is pinned, the next path reads the pins of the slots holding the minimum only,
+    and takes the first free one; if all of them are pinned (held by lookups in flight, cached
+    rows of a backing store, scores loaded from elsewhere), the full scan decides. (One pass
+    instead of a minimum, then a scan for the first slot holding it: 125-133 -> 85-90 ns per
+    bucket of 128 in cache.)"""
     best_score = _MAX_SCORE
     if policy == P_LRU:
+        shift = 0
+        while (1 << shift) < width:
+            shift += 1
+        packed = _MAX_SCORE
+        high = np.int64(0)
+        for j in range(width):
+            sc = iscores[base + j]
+            high |= sc >> (63 - shift)
+            packed = min(packed, (sc << shift) | j)
+        if high == 0:
+            best_score = packed >> shift
+            t = base + (packed & (width - 1))
+            if best_score < step and pins[t] == PIN_FREE:
+                return t, best_score
+        best_score = _MAX_SCORE
         for j in range(width):
             best_score = min(best_score, iscores[base + j])
         if best_score < step:  # else fall back to reading pins (e.g. scores loaded from elsewhere)
