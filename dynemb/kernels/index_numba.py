@@ -195,9 +195,9 @@ def _lowest_unpinned(iscores, pins, base, width, policy, step):
             t = base + (packed & (width - 1))
             if best_score < step and pins[t] == PIN_FREE:
                 return t, best_score
-        best_score = _MAX_SCORE
-        for j in range(width):
-            best_score = min(best_score, iscores[base + j])
+        else:
+            for j in range(width):
+                best_score = min(best_score, iscores[base + j])
         if best_score < step:  # else fall back to reading pins (e.g. scores loaded from elsewhere)
             for j in range(width):
                 if iscores[base + j] == best_score and pins[base + j] == PIN_FREE:
