@@ -139,7 +139,8 @@ class OwnerTable:
         """Backward of :meth:`pool`: ((U_entries, dim) summed gradients, (ΣN_r,) weight
         gradients or empty) from ``gout`` (ΣT_r, dim), the gradient of each partial."""
         t, r, lk = self.table, self.received, self.lookup
-        grads = t.grad_scratch.zeros(lk.unique_slots.numel(), t.dim, t.device)
+        scratch = t.grad_scratch.empty if self.num_touched else t.grad_scratch.zeros
+        grads = scratch(lk.unique_slots.numel(), t.dim, t.device)  # pool_backward overwrites
         wgrad = torch.zeros(r.local.numel() if want_wgrad else 0, dtype=torch.float32,
                             device=t.device)
         if self.num_touched:

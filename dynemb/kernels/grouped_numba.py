@@ -229,7 +229,6 @@ def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, weights
         lo, hi = ko[t], ko[t + 1]
         dim = ip[t, I_DIM]
         g = grads[go[t]:go[t + 1]].reshape((go[t + 1] - go[t]) // dim, dim)
-        g[:] = 0.0
         rows = np.empty((0, dim), np.float32)  # (pooling backward reads rows only for wgrad)
         pnb.pool_backward(gout, ip[t, I_COL], rows, rows, inverse[:0], inverse[lo:hi],
                           lengths[bo[t]:bo[t + 1]], weights[lo:hi] if weights.shape[0] else none,

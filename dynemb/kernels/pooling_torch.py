@@ -40,6 +40,9 @@ def pool(rows, extra, src, inverse, lengths, weights, batch, dim, mean, out) -> 
 
 def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean, grads,
                   wgrad) -> None:
+    grads.zero_()  # (overwritten, as pooling_numba.pool_backward)
+    if inverse.numel() == 0:
+        return
     bag, scale = _bag_scale(lengths, mean, inverse.numel())
     w = scale * weights if weights.numel() else scale
     g_bag = gout.reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)  # (F·B, dim)

@@ -83,7 +83,7 @@ def _pool_backward_kernel(gout_ptr, gout_stride, col, order_ptr, lo_ptr, hi_ptr,
     u = tl.program_id(0)
     j = tl.arange(0, BLOCK)
     inside = j < dim
-    acc = tl.load(grads_ptr + u * dim + j, mask=inside, other=0.0)
+    acc = tl.zeros([BLOCK], tl.float32)
     t = tl.load(lo_ptr + u)
     end = tl.load(hi_ptr + u)
     while t < end:
@@ -128,10 +128,11 @@ def _weight_grad_kernel(gout_ptr, gout_stride, col, rows_ptr, row_stride, extra_
 
 def pool_backward(gout, rows, extra, src, inverse, lengths, weights, batch, dim, mean, grads,
                   wgrad, col=0) -> None:
-    """``pooling_numba.pool_backward``: ``grads`` (U, dim) zero-filled receives each entry's
+    """``pooling_numba.pool_backward``: ``grads`` (U, dim) (overwritten) receives each entry's
     summed gradient, ``wgrad`` (N,) (or empty) the gradient of each id's weight."""
     n = inverse.numel()
     if n == 0:
+        grads.zero_()
         return
     dev = inverse.device
     # each id's bag (a search, not repeat_interleave: lengths that no longer match the ids give

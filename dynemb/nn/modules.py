@@ -99,7 +99,8 @@ class _PoolState:
         """Sums ``gout`` (B, F·dim) per entry into the fused optimizer; returns the weights'
         gradient (N,) (empty unless ``want_wgrad``)."""
         t, lk = self.table, self.lookup
-        grads = t.grad_scratch.zeros(lk.unique_keys.numel(), t.dim, t.device)
+        scratch = t.grad_scratch.empty if gout.numel() else t.grad_scratch.zeros
+        grads = scratch(lk.unique_keys.numel(), t.dim, t.device)  # pool_backward overwrites
         wgrad = torch.empty(self.weights.numel() if want_wgrad else 0, dtype=torch.float32,
                             device=t.device)
         if gout.numel():

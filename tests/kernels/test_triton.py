@@ -217,7 +217,7 @@ def test_pooling_matches_numba(mean, weighted, dim):
     tb.pool(*dargs, dout)
     _close(dout, out)
     gout = torch.randn(batch, feats * dim, generator=g)
-    grads = torch.zeros(int(inverse.max()) + 1, dim)
+    grads = torch.full((int(inverse.max()) + 1, dim), float("nan"))  # overwritten
     wgrads = torch.zeros(inverse.numel() if weighted else 0)
     dgrads, dwgrads = grads.to(DEV), wgrads.to(DEV)
     NUMBA.pool_backward(gout, *args, grads, wgrads)
