@@ -65,11 +65,43 @@ def test_under_lru_a_slot_pinned_at_the_lowest_score_is_passed_over():
 def test_scores_too_large_for_the_packed_minimum_do_not_win():
     """Under LRU the fast path packs score·width + slot into an int64: a score of 2**56 or more
     (width 128) would wrap to a negative number and look lowest, as would the most negative
-    scores; such a bucket takes the plain scans."""
-    for huge in (2**56, 2**57 + 5, 2**63 - 1, -(2**63)):
-        iscores = np.full(128, 9, np.int64)
-        iscores[40] = huge
-        iscores[70] = 4
-        ipins = np.full(128, PIN_FREE, np.int32)
-        want = (40, huge) if huge < 0 else (70, 4)
-        assert tuple(int(x) for x in victim(iscores, ipins, 0, 128, P_LRU, 10, 10)) == want
+    scores; such a bucket takes the plain scans. Several slots hold it in turn, in buckets of
+    128 and narrower ones (which pack larger scores)."""
+    for width, low, at in ((128, 70, range(40, 48)), (4, 1, (0, 2, 3)), (2, 0, (1,))):
+        for pos in at:
+            for huge in (2**56, 2**57 + 5, 2**63 - 1, -(2**63)):
+                if width < 128 and 0 <= huge < 2**62:
+                    huge = 2**62  # (a narrower bucket packs larger scores)
+                iscores = np.full(width, 9, np.int64)
+                iscores[pos] = huge
+                iscores[low] = 4
+                ipins = np.full(width, PIN_FREE, np.int32)
+                want = (pos, huge) if huge < 0 else (low, 4)
+                got = victim(iscores, ipins, 0, width, P_LRU, 10, 10)
+                assert tuple(int(x) for x in got) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([8, 16, 64, 128]), st.data(), st.integers(0, 30))
+def test_lru_scores_that_pack_take_the_packed_minimum(width, data, step):
+    """Steps as scores (what LRU writes): every bucket takes the packed pass, which must give
+    the first lowest slot, wherever in the bucket it is."""
+    scores = data.draw(st.lists(st.integers(0, 30), min_size=width, max_size=width))
+    pins = data.draw(st.lists(st.sampled_from(PINS), min_size=width, max_size=width))
+    iscores = np.array([7] * width + scores, np.int64)
+    ipins = np.array([PIN_FREE] * width + pins, np.int32)
+    got = victim(iscores, ipins, width, width, P_LRU, step, step)
+    assert tuple(int(x) for x in got) == expected(scores, pins, width, P_LRU, step)
+
+
+def test_every_slot_of_a_bucket_can_be_the_victim():
+    """Slot j alone lowest, then tied with every later slot: j is taken, for each j (the
+    packed pass's slot number, and its order on ties)."""
+    for width in (8, 128):
+        ipins = np.full(width, PIN_FREE, np.int32)
+        for j in range(width):
+            iscores = np.full(width, 9, np.int64)
+            iscores[j] = 2
+            assert tuple(int(x) for x in victim(iscores, ipins, 0, width, P_LRU, 10, 10)) == (j, 2)
+            iscores[j:] = 2
+            assert tuple(int(x) for x in victim(iscores, ipins, 0, width, P_LRU, 10, 10)) == (j, 2)
