@@ -89,17 +89,19 @@ class RowLifecycle:
                   offset: int) -> None:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the index of every row of the
         table, whose slot 0 is global row ``offset``), written at the current step."""
-        rids = upload(slots, self.device)
-        init = _NO_DRAW if self._assigning else self.config.initializer
-        self.store.init(rids + offset if offset else rids, keys, self.optimizer.initial_state,
-                        init, self.init_mix)
+        if not (self._assigning and self.optimizer.state_width == 0):  # (else nothing to write)
+            rids = upload(slots, self.device)
+            init = _NO_DRAW if self._assigning else self.config.initializer
+            self.store.init(rids + offset if offset else rids, keys, self.optimizer.initial_state,
+                            init, self.init_mix)
         ix.written[slots] = self.state.step
 
     @contextlib.contextmanager
     def assigning(self) -> Iterator[None]:
         """While open, new rows get their optimizer state but no drawn embedding: the caller
         writes every new row's embedding itself (``insert_or_assign``), so drawing one (most of
-        a new row's cost) would be thrown away."""
+        a new row's cost) would be thrown away; with no state (SGD) nothing is written at all
+        (65,536 new rows of 64: 2.7 ms of zeros the caller overwrote)."""
         self._assigning = True
         try:
             yield

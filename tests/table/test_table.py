@@ -157,7 +157,7 @@ def test_insert_or_assign_sets_values_and_keeps_state_unless_given(make_table):
 
 def test_insert_or_assign_duplicate_keys_raise(make_table):
     t = make_table()
-    with pytest.raises(InputError, match="distinct"):
+    with pytest.raises(InputError, match="distinct keys; key 1 is at positions 0 and 2"):
         t.insert_or_assign(K(1, 2, 1), torch.zeros(3, 4))
     assert t.size() == 0 and t.stats().step == 0
 
