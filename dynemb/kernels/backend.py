@@ -293,6 +293,11 @@ class NumbaBackend:
         inb.unpin(_np(slots), _np(ix.pins))
         _put_back(ix, held)
 
+    def first_repeat(self, keys):
+        """``index_torch.first_repeat``, by a hash set on the host."""
+        i, j = lnb.first_repeat(_np(keys))
+        return None if j < 0 else (int(i), int(j))
+
     def erase(self, ix, keys):
         slots = torch.empty_like(keys)
         inb.erase(_np(keys), _np(ix.keys), _np(ix.scores), _np(ix.digests), ix.num_buckets,
@@ -376,6 +381,9 @@ class TorchBackend:
 
     def erase(self, ix, keys):
         return ito.erase(ix, keys)
+
+    def first_repeat(self, keys):
+        return ito.first_repeat(keys)
 
     def init_rows(self, dst, dst_rows, keys, dim, state_value, init, table_mix):
         rto.init_rows(dst, dst_rows, keys, dim, state_value, *init_params(init, dst.device),

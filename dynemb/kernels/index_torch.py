@@ -192,6 +192,20 @@ def put_where(dst: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     dst.index_put_((at,), torch.where(ok, value - dst[at], 0), accumulate=True)
 
 
+def first_repeat(keys: torch.Tensor) -> tuple[int, int] | None:
+    """(i, j) for the first position j of ``keys`` (N,) whose key was at an earlier position, i
+    the first of those; None when the keys are distinct (a sort; ``lookup_numba.first_repeat``
+    is a hash set)."""
+    _, inv = torch.unique(keys, return_inverse=True)
+    pos = torch.arange(keys.numel(), device=keys.device)
+    first = torch.full_like(pos, keys.numel()).scatter_reduce(0, inv, pos, "amin")
+    later = torch.nonzero(first[inv] != pos).flatten()
+    if later.numel() == 0:
+        return None
+    j = int(later[0])
+    return int(first[inv[j]]), j
+
+
 def dedup(slots: torch.Tensor):
     """(inverse (N,), unique_slots (U,), unique_pos (U,)) of ``slots`` (N,): distinct slots >= 0
     in ascending order, then every occurrence without a slot (-1) as its own entry."""

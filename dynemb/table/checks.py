@@ -9,28 +9,6 @@ import torch
 from dynemb.batch import all_finite, check_keys
 from dynemb.config import ScorePolicy
 from dynemb.errors import ConfigError, DynembError, InputError
-from dynemb.kernels import lookup_numba
-
-
-def first_repeat(keys: torch.Tensor) -> tuple[int, int] | None:
-    """(i, j) for the first position j of ``keys`` (N,) int64 whose key was at an earlier
-    position, i the first of those; None when the keys are distinct."""
-    if keys.device.type == "cpu":
-        i, j = lookup_numba.first_repeat(keys.contiguous().numpy())
-        return None if j < 0 else (int(i), int(j))
-    return first_repeat_torch(keys)
-
-
-def first_repeat_torch(keys: torch.Tensor) -> tuple[int, int] | None:
-    """:func:`first_repeat` on any device (a sort)."""
-    _, inv = torch.unique(keys, return_inverse=True)
-    pos = torch.arange(keys.numel(), device=keys.device)
-    first = torch.full_like(pos, keys.numel()).scatter_reduce(0, inv, pos, "amin")
-    later = torch.nonzero(first[inv] != pos).flatten()
-    if later.numel() == 0:
-        return None
-    j = int(later[0])
-    return int(first[inv[j]]), j
 
 
 def writes(verb):
@@ -76,7 +54,7 @@ class TableChecks:
     def _check_rows(self, keys, values, optimizer_state, verb, what: str = "values") -> None:
         """Distinct keys; ``values`` (named ``what``) and ``optimizer_state`` (or None) of the
         right shapes and finite as float32."""
-        repeat = first_repeat(keys)
+        repeat = self.backend.first_repeat(keys)
         if repeat is not None:
             i, j = repeat
             raise InputError(f"table {self.name!r}: {verb} expects distinct keys; key "

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynemb.table.checks import first_repeat, first_repeat_torch
+from dynemb.kernels.backend import NUMBA, TORCH
 
 
 @settings(max_examples=300, deadline=None)
@@ -21,6 +21,6 @@ def test_first_repeat_matches_brute_force(keys):
             break
         seen[k] = j
     t = torch.tensor(keys, dtype=torch.int64)
-    assert first_repeat(t) == want
-    assert first_repeat_torch(t) == want
-    assert first_repeat(t[::2]) == first_repeat_torch(t[::2].clone())  # (a strided view)
+    assert NUMBA.first_repeat(t) == want
+    assert TORCH.first_repeat(t) == want
+    assert NUMBA.first_repeat(t[::2]) == TORCH.first_repeat(t[::2].clone())  # (a strided view)
