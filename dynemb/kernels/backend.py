@@ -186,21 +186,24 @@ class NumbaBackend:
     def restore_scores(self, ix, slots, prev):
         inb.restore_scores(_np(slots), _np(prev), _np(ix.scores))
 
-    def find_rows(self, ix, keys, hbm, ddr, row_split, dim, out):
+    def find_rows(self, ix, keys, hbm, ddr, row_split, dim, out, fill=None):
         """(slot of each key or -1, the positions of the -1s), each found key's row (slot s:
         row s of ``hbm`` below ``row_split``, else of ``ddr``) copied into ``out[i, :dim]`` in
-        the same pass (``index_numba.find_rows``), the keys split over the threads."""
+        the same pass (``index_numba.find_rows``), the keys split over the threads; the rows
+        of the -1s set to ``fill`` unless it is None."""
         n = keys.numel()
         slots, missing = torch.empty_like(keys), torch.empty_like(keys)
         k, sl, o, m = _np(keys), _np(slots), _np(out), _np(missing)
         args = (_np(ix.keys), _np(ix.digests), ix.num_buckets, ix.split, ix.width - 1,
                 _np(hbm), _np(_NO_ROWS if ddr is None else ddr), row_split, dim)
         spans = ranges(n, self._parts(n))
+        fills = (0.0 if fill is None else float(fill), fill is not None)
         counts = run_parts(lambda p: inb.find_rows(
             k[slice(*spans[p])], *args, sl[slice(*spans[p])], o[slice(*spans[p])],
-            m[slice(*spans[p])]), len(spans))
-        parts = [missing[lo:lo + c] + lo for (lo, _), c in zip(spans, counts)]
-        return slots, parts[0] if len(parts) == 1 else torch.cat(parts)
+            m[slice(*spans[p])], *fills), len(spans))
+        if len(spans) == 1:
+            return slots, missing[:counts[0]]
+        return slots, torch.cat([missing[lo:lo + c] + lo for (lo, _), c in zip(spans, counts)])
 
     def put_where(self, dst, idx, value):
         d, i = _np(dst), _np(idx)

@@ -74,11 +74,12 @@ class Resolver(Holding):
         """Global row id of each key (N,) or -1, touching nothing."""
         raise NotImplementedError
 
-    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
+    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor, fill: float | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`locate` that also writes each found key's embedding into ``out`` (N, dim), in
-        one pass: (row ids, the positions of the -1s), or None where this resolver has no such
-        pass (``out`` then unwritten)."""
+        one pass, and ``fill`` into the rows of keys without one unless it is None: (row ids,
+        the positions of the -1s), or None where this resolver has no such pass (``out`` then
+        unwritten)."""
         return None
 
     def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
@@ -202,12 +203,12 @@ class SingleIndexResolver(Resolver):
     def locate(self, keys: torch.Tensor) -> torch.Tensor:
         return self.table_index.find(keys)
 
-    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor
+    def locate_rows(self, keys: torch.Tensor, out: torch.Tensor, fill: float | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         fused, st = getattr(self.backend, "find_rows", None), self.store
         if fused is None:  # (the compiled CPU backend has it)
             return None
-        return fused(self.table_index, keys, st.hbm, st.ddr, st.split, st.dim, out)
+        return fused(self.table_index, keys, st.hbm, st.ddr, st.split, st.dim, out, fill)
 
     def mark_written(self, rids: torch.Tensor, *, cached_only: bool = False) -> None:
         ix, step = self.table_index, self.state.step

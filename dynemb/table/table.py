@@ -18,7 +18,7 @@ import itertools
 import torch
 
 from dynemb.batch import all_finite
-from dynemb.config import NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
+from dynemb.config import InitKind, NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
 from dynemb.kernels.hashing import home_bucket, index_hash
@@ -172,12 +172,15 @@ class DynamicTable(TableChecks, TableReports):
                                  f"tensor on {self.device}, found {out.dtype} on {out.device}.")
         if out is None:
             out = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
-        fused = self.resolver.locate_rows(keys, out)
+        init = self.config.eval_initializer  # a constant one is written by the probe itself
+        fill = init.value if init.kind == InitKind.CONSTANT else None
+        fused = self.resolver.locate_rows(keys, out, fill)
         if fused is None:
             rids = self.locate(keys)
             return FindResult(values=self.life.values(keys, rids, out), found=rids >= 0)
         rids, missing = fused
-        self.life.eval_at(keys, missing, out)
+        if fill is None:
+            self.life.eval_at(keys, missing, out)
         return FindResult(values=out, found=rids >= 0)
 
     @writes

@@ -1,7 +1,8 @@
 """``find`` on the compiled backend probes and copies rows in one pass
 (``index_numba.find_rows``): its values and ``found`` equal the torch reference's, element for
 element, over both tiers of a HYBRID table and a memory-mapped one, with keys missing, repeated
-and split over 1, 2 and 3 threads."""
+and split over 1, 2 and 3 threads; the rows of missing keys written by the probe (a constant
+eval initializer) or after it (any other)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,31 @@ import torch
 
 import dynemb
 from dynemb import Initializer, InitKind, Storage, StorageMode
+from dynemb.config import ZEROS
 
 
-def _table(backend: str, storage: Storage, threads: int) -> dynemb.DynamicTable:
+_EVAL = {"uniform": Initializer(kind=InitKind.UNIFORM, low=1.0, high=2.0),
+         "constant": Initializer(kind=InitKind.CONSTANT, value=0.3), "zeros": ZEROS}
+
+
+def _table(backend: str, storage: Storage, threads: int, init: str) -> dynemb.DynamicTable:
     cfg = dynemb.TableConfig(name="t", dim=5, features=["f"], capacity=16384, bucket_capacity=16,
                              optimizer=dynemb.Adam(lr=0.1), storage=storage, threads=threads,
-                             eval_initializer=Initializer(kind=InitKind.UNIFORM, low=1.0,
-                                                          high=2.0))
+                             eval_initializer=_EVAL[init])
     return dynemb.DynamicTable(cfg, backend=backend)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("threads", "init"), [(1, "uniform"), (2, "uniform"), (3, "uniform"),
+                                               (1, "constant"), (3, "constant"), (2, "zeros")])
 @pytest.mark.parametrize("storage", ["hbm_only", "hybrid", "hybrid_files"])
-def test_find_copies_rows_in_the_probe_as_the_reference_does(storage, threads, tmp_path):
+def test_find_copies_rows_in_the_probe_as_the_reference_does(storage, threads, init, tmp_path):
     def st(name: str) -> Storage:
         if storage == "hbm_only":
             return Storage()
         path = {"ddr_path": str(tmp_path / name)} if storage == "hybrid_files" else {}
         return Storage(mode=StorageMode.HYBRID, cache_load_factor=0.3, **path)
 
-    ours, ref = _table("numba", st("ours"), threads), _table("torch", st("ref"), 1)
+    ours, ref = _table("numba", st("ours"), threads, init), _table("torch", st("ref"), 1, init)
     g = torch.Generator().manual_seed(threads)
     stored = torch.randint(-(2**62), 2**62, (3000,), generator=g)
     for t in (ours, ref):
