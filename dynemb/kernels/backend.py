@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from dynemb.batch import all_finite
 from dynemb.config import Initializer, InitKind
 from dynemb.errors import ConfigError
 from dynemb.kernels import index_numba as inb
@@ -209,6 +210,16 @@ class NumbaBackend:
         d, i = _np(dst), _np(idx)
         self._split(i.shape[0], lambda lo, hi: inb.put_where(d, i[lo:hi], value))
 
+    def all_finite(self, t):
+        """``batch.all_finite``: for float32, one compiled pass of comparisons split over the
+        threads (a step's gradient, 29,000 rows of 64: torch's sum took 0.2-0.4 ms on one
+        thread)."""
+        if t.dtype != torch.float32:
+            return all_finite(t)
+        a = _np(t.contiguous()).reshape(-1)
+        spans = ranges(a.shape[0], self._parts(a.shape[0]))
+        return all(run_parts(lambda p: rnb.all_finite(a[slice(*spans[p])]), len(spans)))
+
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         n = keys.numel()
         slots = torch.empty_like(keys)
@@ -363,6 +374,10 @@ class TorchBackend:
     def put_where(self, dst, idx, value):
         """``dst[idx] = value`` where ``idx >= 0`` (those distinct), without a host read."""
         ito.put_where(dst, idx, value)
+
+    @staticmethod
+    def all_finite(t):
+        return all_finite(t)
 
     def insert(self, ix, keys, custom, policy, step, atomic=False):
         return ito.insert_pass(ix, keys, custom, policy, step, atomic)

@@ -233,7 +233,7 @@ def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, weights
         pnb.pool_backward(gout, ip[t, I_COL], rows, rows, inverse[:0], inverse[lo:hi],
                           lengths[bo[t]:bo[t + 1]], weights[lo:hi] if weights.shape[0] else none,
                           batch, dim, ip[t, I_MEAN] != 0, g, none)
-        bad[t] = not _finite(grads[go[t]:go[t + 1]])
+        bad[t] = not rnb.all_finite(grads[go[t]:go[t + 1]])
 
 
 @njit(cache=True, nogil=True)
@@ -263,19 +263,6 @@ def update(t_lo, t_hi, ko, go, addr, ip, fa, steps, unique_slots, grads, todo):
                 w[s] = step
                 if score:
                     sc[s] = step
-
-
-_F32_MAX = np.float32(np.finfo(np.float32).max)
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _finite(a):
-    """Whether every element of ``a`` (1-D float32) is finite, allocating nothing (an and of
-    comparisons: LLVM vectorises it; NaN compares false)."""
-    ok = True
-    for i in range(a.shape[0]):
-        ok &= abs(a[i]) <= _F32_MAX
-    return ok
 
 
 @njit(cache=True, inline="always")

@@ -126,6 +126,19 @@ def copy_rows(src, src_rows, dst, dst_rows):
             b[j] = a[j]
 
 
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def all_finite(a):
+    """Whether every element of ``a`` (1-D float32) is finite, allocating nothing (an and of
+    comparisons: LLVM vectorises it; NaN compares false)."""
+    ok = True
+    for i in range(a.shape[0]):
+        ok &= abs(a[i]) <= _F32_MAX
+    return ok
+
+
 # Kernels take per-row views (w, state, g) so LLVM can vectorise the inner loop over j;
 # error_model="numpy" removes Python's division-by-zero checks, which would block that.
 _row_kernel = njit(cache=True, nogil=True, error_model="numpy")

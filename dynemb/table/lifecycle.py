@@ -94,7 +94,7 @@ class RowLifecycle:
             init = _NO_DRAW if self._assigning else self.config.initializer
             self.store.init(rids + offset if offset else rids, keys, self.optimizer.initial_state,
                             init, self.init_mix)
-        ix.written[slots] = self.state.step
+        self.store.backend.put_where(ix.written, slots, self.state.step)
 
     @contextlib.contextmanager
     def assigning(self) -> Iterator[None]:

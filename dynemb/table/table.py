@@ -17,7 +17,6 @@ import itertools
 
 import torch
 
-from dynemb.batch import all_finite
 from dynemb.config import InitKind, NonFinite, OnFull, ScorePolicy, StorageMode, TableConfig
 from dynemb.errors import CapacityError, InputError
 from dynemb.kernels.backend import backend_for
@@ -476,7 +475,7 @@ class DynamicTable(TableChecks, TableReports):
         the lookup's rows whose gradient holds NaN or inf). With ``nonfinite`` SKIP those rows
         are -1 (not updated), like entries without a row. Counts nothing."""
         rids = self.current_slots(lk)
-        if all_finite(grads):
+        if self.backend.all_finite(grads):
             return rids, 0
         bad = (rids >= 0) & ~torch.isfinite(grads).all(dim=1)
         n_bad = int(bad.sum())
