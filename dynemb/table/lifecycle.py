@@ -88,7 +88,8 @@ class RowLifecycle:
     def init_rows(self, ix: HashIndex, slots: torch.Tensor, keys: torch.Tensor,
                   offset: int) -> None:
         """Initial rows for new ``keys`` at ``slots`` of ``ix`` (the index of every row of the
-        table, whose slot 0 is global row ``offset``), written at the current step."""
+        table, whose slot 0 is global row ``offset``; distinct, as ``put_where`` needs),
+        written at the current step."""
         if not (self._assigning and self.optimizer.state_width == 0):  # (else nothing to write)
             rids = upload(slots, self.device)
             init = _NO_DRAW if self._assigning else self.config.initializer

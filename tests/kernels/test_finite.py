@@ -34,7 +34,6 @@ def test_one_bad_element_anywhere_is_found(backend):
             u = t.clone()
             u[pos] = bad
             assert not backend.all_finite(u), (pos, bad)
-            assert bool(torch.isfinite(u).all()) is False
 
 
 @pytest.mark.parametrize("backend", _backends(), ids=lambda b: f"{b.name}-{b.__dict__}")
