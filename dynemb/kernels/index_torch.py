@@ -196,10 +196,8 @@ def first_repeat(keys: torch.Tensor) -> tuple[int, int] | None:
     """(i, j) for the first position j of ``keys`` (N,) whose key was at an earlier position, i
     the first of those; None when the keys are distinct (a sort; ``lookup_numba.first_repeat``
     is a hash set)."""
-    _, inv = torch.unique(keys, return_inverse=True)
-    pos = torch.arange(keys.numel(), device=keys.device)
-    first = torch.full_like(pos, keys.numel()).scatter_reduce(0, inv, pos, "amin")
-    later = torch.nonzero(first[inv] != pos).flatten()
+    _, inv, _, first = _first_occurrence_unique(keys)
+    later = torch.nonzero(first[inv] != torch.arange(keys.numel(), device=keys.device)).flatten()
     if later.numel() == 0:
         return None
     j = int(later[0])
