@@ -14,7 +14,9 @@ per-call data of all tables lies in shared buffers, table t's at its offsets: id
 ``[ko[t], ko[t+1])`` (also its occurrences' and entries' rows in the (N,) buffers), bags
 ``[bo[t], bo[t+1])``, output columns ``[ip[t, I_COL], + F·dim)``, gradient elements
 ``[go[t], go[t+1])``. A call covers tables ``[t_lo, t_hi)``: a part (``kernels.threads``);
-tables share nothing, so parts run at once.
+tables share nothing, so parts run at once. A table holding more than a part's share of the
+ids is split inside instead, stage by stage, as its own calls split it (the ``*_part``
+kernels: the lookup by bucket ranges, new rows, bags and entries by ranges).
 
 ``ip`` (T, I_WIDTH) int64 and ``fp`` (T, 3) float64 hold each table's fixed parameters;
 ``res`` (T, R_WIDTH) int64 what each table's call did.
@@ -170,6 +172,59 @@ def undo(t_lo, t_hi, ko, addr, ip, journal, res):
 
 
 @njit(cache=True, nogil=True)
+def owners(t, a, b, keys, ko, ip, parts, owner):
+    """``lookup_numba.owners`` of table t's ids ``[a, b)`` (positions within the table)."""
+    lo = ko[t]
+    lnb.owners(keys[lo + a:lo + b], ip[t, I_BUCKETS], ip[t, I_SPLIT], parts, owner[a:b])
+
+
+@njit(cache=True, nogil=True)
+def probe_part(t, p, keys, ko, addr, ip, steps, owner, order, bset, first, slots, slot_at,
+               free_at, journal, tiers):
+    """Part p of table t's probe (:func:`lookup`'s first stage split by bucket ranges, as
+    ``NumbaBackend.lookup`` splits a table): lists the part's occurrences in ``order`` and
+    probes them. Returns (their count, the journal's length)."""
+    lo, hi = ko[t], ko[t + 1]
+    c = lnb.part_order(owner, p, order)
+    ikeys, iscores, dig, pins = _index(addr, ip, t)
+    n_j = lnb.probe(False, order[:c], keys[lo:hi], _I64, ikeys, iscores, dig, pins,
+                    ip[t, I_BUCKETS], ip[t, I_SPLIT], ip[t, I_BMASK], ip[t, I_POLICY], steps[t],
+                    True, ip[t, I_HBM_ROWS], bset, first[lo:hi], slots[lo:hi], slot_at[lo:hi],
+                    free_at[lo:hi], journal, tiers)
+    return c, n_j
+
+
+@njit(cache=True, nogil=True)
+def number_first(t, ko, first, slot_at, free_at, inverse, uslot, ufree, upos, res):
+    """``lookup_numba.number_first`` of table t, between its probe and its place parts."""
+    lo, hi = ko[t], ko[t + 1]
+    res[t, R_DISTINCT] = lnb.number_first(first[lo:hi], slot_at[lo:hi], free_at[lo:hi],
+                                          inverse[lo:hi], uslot[lo:hi], ufree[lo:hi],
+                                          upos[lo:hi])
+
+
+@njit(cache=True, nogil=True)
+def place_part(t, order, keys, ko, addr, ip, steps, inverse, slots, uslot, ufree, journal, n_j,
+               inserted, ev_keys, ev_slots, ev_scores, out):
+    """Part p of table t's place, at the occurrences ``order`` its probe part listed."""
+    lo, hi = ko[t], ko[t + 1]
+    ikeys, iscores, dig, pins = _index(addr, ip, t)
+    lnb.place(False, order, keys[lo:hi], _I64, ikeys, iscores, dig, pins, ip[t, I_BUCKETS],
+              ip[t, I_SPLIT], ip[t, I_BMASK], ip[t, I_POLICY], steps[t], np.empty(0, np.bool_),
+              inverse[lo:hi], slots[lo:hi], uslot[lo:hi], ufree[lo:hi], journal, n_j,
+              inserted[lo:hi], ev_keys[lo:hi], ev_slots[lo:hi], ev_scores[lo:hi], out)
+
+
+@njit(cache=True, nogil=True)
+def undo_parts(t, addr, ip, journals, out):
+    """Undoes table t's split lookup: each part's journal (``journals`` (P, ·, 5), lengths
+    ``out[:, 4]``; the parts touched disjoint buckets)."""
+    ikeys, iscores, dig, pins = _index(addr, ip, t)
+    for p in range(journals.shape[0]):
+        lnb.undo(journals[p], out[p, 4], ikeys, iscores, dig, pins)
+
+
+@njit(cache=True, nogil=True)
 def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse, uslot, upos,
            inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots, unique_pos,
            lengths, weights, out, pool, res):
@@ -182,46 +237,93 @@ def finish(t_lo, t_hi, keys, ko, bo, batch, addr, ip, fp, steps, slots, inverse,
     for t in range(t_lo, t_hi):
         if pool[t] < 0:
             continue
-        lo, hi = ko[t], ko[t + 1]
-        r = res[t]
-        lnb.count(_view(addr, t, A_COUNTS, _I64, (4,)), res[t:t + 1, R_INSERTED:R_INSERTED + 5])
-        n_ins, _ = lnb.events(inserted[lo:hi], ev_keys[lo:hi], ev_slots[lo:hi],
-                              ev_scores[lo:hi], fresh_pos[lo:hi], ev_out[:, lo:hi])
-        u = lnb.number(slots[lo:hi], inverse[lo:hi], uslot[lo:hi], upos[lo:hi], r[R_DISTINCT],
-                       _index(addr, ip, t)[3], unique_slots[lo:hi], unique_pos[lo:hi])
-        r[R_ENTRIES] = u
-        dim, split = ip[t, I_DIM], ip[t, I_HBM_ROWS]
-        hbm, ddr = _rows(addr, ip, t)
-        if n_ins:
-            at = fresh_pos[lo:lo + n_ins] + lo
-            new = slots[at]
-            q = _view(addr, t, A_QUANTILES, _F32, (ip[t, I_QUANTILES],))
-            init = (dim, fp[t, F_STATE], ip[t, I_INIT], fp[t, F_A], fp[t, F_B], q, ip[t, I_MIX])
-            if ddr.shape[0] == 0:
-                rnb.init_rows(hbm, new, keys[at], *init)
-            else:  # each tier's rows in order, as RowStore.init
-                in_hbm, in_ddr = _tiers(new, split)
-                h, d = in_hbm >= 0, in_ddr >= 0
-                rnb.init_rows(hbm, in_hbm[h], keys[at][h], *init)
-                rnb.init_rows(ddr, in_ddr[d], keys[at][d], *init)
-            w = _written(addr, ip, t)
-            for s in new:
-                w[s] = steps[t]
+        n_ins = _settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys,
+                        ev_slots, ev_scores, fresh_pos, ev_out, unique_slots, unique_pos, res)
+        _init_new(t, 0, n_ins, keys, ko, addr, ip, fp, steps, slots, fresh_pos)
         if pool[t] == 1:
-            rids = unique_slots[lo:lo + u]
-            src = rids if ddr.shape[0] == 0 else _sources(rids, split)
-            pnb.pool(hbm, ddr, src, inverse[lo:hi], lengths[bo[t]:bo[t + 1]],
-                     weights[lo:hi] if weights.shape[0] else weights, batch, dim,
-                     ip[t, I_MEAN] != 0, out, ip[t, I_COL], 0, bo[t + 1] - bo[t])
+            _pool(t, 0, bo[t + 1] - bo[t], ko, bo, batch, addr, ip, inverse, unique_slots,
+                  lengths, weights, out, res)
+
+
+@njit(cache=True, nogil=True)
+def settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores,
+           fresh_pos, ev_out, unique_slots, unique_pos, res):
+    """:func:`finish`'s first stage for table t (counts, events, entries, pins): the one that
+    stays on one thread. Returns the count of new rows."""
+    return _settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys, ev_slots,
+                   ev_scores, fresh_pos, ev_out, unique_slots, unique_pos, res)
+
+
+@njit(cache=True, nogil=True)
+def init_part(t, a, b, keys, ko, addr, ip, fp, steps, slots, fresh_pos):
+    """Table t's new rows ``[a, b)`` (of its ``fresh_pos``) initialised and marked written."""
+    _init_new(t, a, b, keys, ko, addr, ip, fp, steps, slots, fresh_pos)
+
+
+@njit(cache=True, nogil=True)
+def pool_part(t, bag_lo, bag_hi, ko, bo, batch, addr, ip, inverse, unique_slots, lengths,
+              weights, out, res):
+    """Table t's bags ``[bag_lo, bag_hi)`` (of its own) pooled into ``out``."""
+    _pool(t, bag_lo, bag_hi, ko, bo, batch, addr, ip, inverse, unique_slots, lengths, weights,
+          out, res)
+
+
+@njit(cache=True, inline="always")
+def _settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores,
+            fresh_pos, ev_out, unique_slots, unique_pos, res):
+    lo, hi = ko[t], ko[t + 1]
+    lnb.count(_view(addr, t, A_COUNTS, _I64, (4,)), res[t:t + 1, R_INSERTED:R_INSERTED + 5])
+    n_ins, _ = lnb.events(inserted[lo:hi], ev_keys[lo:hi], ev_slots[lo:hi], ev_scores[lo:hi],
+                          fresh_pos[lo:hi], ev_out[:, lo:hi])
+    res[t, R_ENTRIES] = lnb.number(slots[lo:hi], inverse[lo:hi], uslot[lo:hi], upos[lo:hi],
+                                   res[t, R_DISTINCT], _index(addr, ip, t)[3],
+                                   unique_slots[lo:hi], unique_pos[lo:hi])
+    return n_ins
+
+
+@njit(cache=True, inline="always")
+def _init_new(t, a, b, keys, ko, addr, ip, fp, steps, slots, fresh_pos):
+    if b <= a:
+        return
+    lo = ko[t]
+    at = fresh_pos[lo + a:lo + b] + lo
+    new = slots[at]
+    dim, split = ip[t, I_DIM], ip[t, I_HBM_ROWS]
+    hbm, ddr = _rows(addr, ip, t)
+    q = _view(addr, t, A_QUANTILES, _F32, (ip[t, I_QUANTILES],))
+    init = (dim, fp[t, F_STATE], ip[t, I_INIT], fp[t, F_A], fp[t, F_B], q, ip[t, I_MIX])
+    if ddr.shape[0] == 0:
+        rnb.init_rows(hbm, new, keys[at], *init)
+    else:  # each tier's rows in order, as RowStore.init
+        in_hbm, in_ddr = _tiers(new, split)
+        h, d = in_hbm >= 0, in_ddr >= 0
+        rnb.init_rows(hbm, in_hbm[h], keys[at][h], *init)
+        rnb.init_rows(ddr, in_ddr[d], keys[at][d], *init)
+    w = _written(addr, ip, t)
+    for s in new:
+        w[s] = steps[t]
+
+
+@njit(cache=True, inline="always")
+def _pool(t, bag_lo, bag_hi, ko, bo, batch, addr, ip, inverse, unique_slots, lengths, weights,
+          out, res):
+    lo, hi = ko[t], ko[t + 1]
+    rids = unique_slots[lo:lo + res[t, R_ENTRIES]]
+    dim, split = ip[t, I_DIM], ip[t, I_HBM_ROWS]
+    hbm, ddr = _rows(addr, ip, t)
+    src = rids if ddr.shape[0] == 0 else _sources(rids, split)
+    pnb.pool(hbm, ddr, src, inverse[lo:hi], lengths[bo[t]:bo[t + 1]],
+             weights[lo:hi] if weights.shape[0] else weights, batch, dim, ip[t, I_MEAN] != 0,
+             out, ip[t, I_COL], bag_lo, bag_hi)
 
 
 @njit(cache=True, nogil=True)
 def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, weights, grads, todo,
-              bad):
+              bad, check):
     """Pooling backward of tables ``[t_lo, t_hi)`` with ``todo[t]``: sums ``gout`` (B, C) per
     entry, scaled by ``weights`` as :func:`finish` pooled, into the table's (U, dim) gradient
-    at ``grads[go[t]:go[t+1]]``, as ``pool_backward``; ``bad[t]`` where an element is not
-    finite."""
+    at ``grads[go[t]:go[t+1]]``, as ``pool_backward``; with ``check``, ``bad[t]`` where an
+    element is not finite (else the caller checks, split over threads)."""
     none = np.empty(0, np.float32)
     for t in range(t_lo, t_hi):
         if not todo[t]:
@@ -233,7 +335,8 @@ def gradients(t_lo, t_hi, ko, bo, go, batch, gout, ip, inverse, lengths, weights
         pnb.pool_backward(gout, ip[t, I_COL], rows, rows, inverse[:0], inverse[lo:hi],
                           lengths[bo[t]:bo[t + 1]], weights[lo:hi] if weights.shape[0] else none,
                           batch, dim, ip[t, I_MEAN] != 0, g, none)
-        bad[t] = not rnb.all_finite(grads[go[t]:go[t + 1]])
+        if check:
+            bad[t] = not rnb.all_finite(grads[go[t]:go[t + 1]])
 
 
 @njit(cache=True, nogil=True)
@@ -242,27 +345,37 @@ def update(t_lo, t_hi, ko, go, addr, ip, fa, steps, unique_slots, grads, todo):
     hyper-parameters ``fa[t]``) on their entries' rows with the gradients :func:`gradients`
     summed; the rows updated are marked written at ``steps[t]`` (and their STEP scores)."""
     for t in range(t_lo, t_hi):
-        if not todo[t]:
-            continue
-        dim = ip[t, I_DIM]
-        u = (go[t + 1] - go[t]) // dim
-        g = grads[go[t]:go[t + 1]].reshape(u, dim)
-        us = unique_slots[ko[t]:ko[t] + u]
-        hbm, ddr = _rows(addr, ip, t)
-        if ddr.shape[0] == 0:
-            _update(ip[t, I_OPT], hbm, us, g, fa[t])
-        else:  # each tier its own rows, as RowOptimizer.apply over RowStore.parts
-            in_hbm, in_ddr = _tiers(us, ip[t, I_HBM_ROWS])
-            _update(ip[t, I_OPT], hbm, in_hbm, g, fa[t])
-            _update(ip[t, I_OPT], ddr, in_ddr, g, fa[t])
-        step = steps[t]
-        w, sc = _written(addr, ip, t), _index(addr, ip, t)[1]
-        score = ip[t, I_POLICY] == P_STEP
-        for s in us:
-            if s >= 0:
-                w[s] = step
-                if score:
-                    sc[s] = step
+        if todo[t]:
+            _update_table(t, 0, (go[t + 1] - go[t]) // ip[t, I_DIM], ko, go, addr, ip, fa, steps,
+                          unique_slots, grads)
+
+
+@njit(cache=True, nogil=True)
+def update_part(t, a, b, ko, go, addr, ip, fa, steps, unique_slots, grads):
+    """:func:`update` of table t's entries ``[a, b)`` (they hold distinct rows)."""
+    _update_table(t, a, b, ko, go, addr, ip, fa, steps, unique_slots, grads)
+
+
+@njit(cache=True, inline="always")
+def _update_table(t, a, b, ko, go, addr, ip, fa, steps, unique_slots, grads):
+    dim = ip[t, I_DIM]
+    g = grads[go[t]:go[t + 1]].reshape((go[t + 1] - go[t]) // dim, dim)[a:b]
+    us = unique_slots[ko[t] + a:ko[t] + b]
+    hbm, ddr = _rows(addr, ip, t)
+    if ddr.shape[0] == 0:
+        _update(ip[t, I_OPT], hbm, us, g, fa[t])
+    else:  # each tier its own rows, as RowOptimizer.apply over RowStore.parts
+        in_hbm, in_ddr = _tiers(us, ip[t, I_HBM_ROWS])
+        _update(ip[t, I_OPT], hbm, in_hbm, g, fa[t])
+        _update(ip[t, I_OPT], ddr, in_ddr, g, fa[t])
+    step = steps[t]
+    w, sc = _written(addr, ip, t), _index(addr, ip, t)[1]
+    score = ip[t, I_POLICY] == P_STEP
+    for s in us:
+        if s >= 0:
+            w[s] = step
+            if score:
+                sc[s] = step
 
 
 @njit(cache=True, inline="always")

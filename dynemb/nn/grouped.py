@@ -3,15 +3,15 @@
 An :class:`~dynemb.EmbeddingBagCollection` of many small tables pays a few hundred Python
 calls per table per step around kernels that each do a few microseconds of work. Its
 :class:`TableGroup` runs the lookup, pooling, backward and fused update of every table it holds
-in one compiled call per stage (split over threads by tables), bit-identical to the tables
-called one by one, and keeps the per-table Python work to counting.
+in one compiled call per stage (split over threads by tables; a table holding more than a
+thread's share of the ids is split inside instead, as its own calls split it), bit-identical to
+the tables called one by one, and keeps the per-table Python work to counting.
 
 A table joins its collection's group when its kernels can run there: a CPU table on the numba
 backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping or ddr files
 (:func:`groupable`). A step runs grouped when it trains (updates rows) and its per-id weights, if
-any, need no gradient (and, with threads, when no table holds more than a thread's share of its
-ids: :func:`splits_well`);
-any other step, and every table outside the group, takes the per-table path. A pipeline's held
+any, need no gradient; any other step, and every table outside the group, takes the per-table
+path. A pipeline's held
 lookups hold their rows grouped as they would table by table. Inside a grouped step a table
 falls back to the per-table code for what is rare: ids that got no row (``on_full``
 WARN/COUNT), rows evicted or erased between forward and backward, gradients holding NaN or
@@ -34,8 +34,9 @@ from dynemb.config import OnFull, PoolingMode, ScorePolicy, StorageMode
 from dynemb.errors import InputError
 from dynemb.kernels import grouped_numba as gnb
 from dynemb.kernels import lookup_numba as lnb
+from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels.backend import init_params
-from dynemb.kernels.threads import parts_for, resolve, run_parts
+from dynemb.kernels.threads import parts_for, ranges, resolve, run_parts
 from dynemb.table.stats import Lookup
 from dynemb.table.table import DynamicTable
 
@@ -52,8 +53,9 @@ def groupable(table: DynamicTable) -> bool:
 
 
 def splits_well(ko: np.ndarray, parts: int) -> bool:
-    """Whether a grouped call over tables with key offsets ``ko`` keeps ``parts`` threads busy:
-    one part, or no table with more than a part's share of the ids."""
+    """Whether a grouped call over tables with key offsets ``ko`` keeps ``parts`` threads busy
+    split by whole tables: one part, or no table with more than a part's share of the ids.
+    Else each table is split inside, stage after stage."""
     return parts == 1 or bool(np.diff(ko).max() * parts <= ko[-1])
 
 
@@ -191,11 +193,13 @@ class TableGroup:
         return keys, lengths, weights, ko
 
     def _probe(self, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
-               spans: list[tuple[int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
-        """The lookup driver over the ids ``kn`` (N,): (what ``finish`` reads: slots,
-        inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores; the per-table results;
-        the first table that failed atomically, or T: every table after it undone). Its
-        scratch (the sets, the journal, the probe paths) is freed on return, before the
+               spans: list[tuple[int, int]] | None
+               ) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
+        """The lookup driver over the ids ``kn`` (N,), split by ``spans`` of tables (None:
+        each table split inside, table after table): (what ``finish`` reads: slots, inverse,
+        uslot, upos, inserted, ev_keys, ev_slots, ev_scores; the per-table results; the first
+        table that failed atomically, or T: every table after it undone or not looked up).
+        Its scratch (the sets, the journal, the probe paths) is freed on return, before the
         pooled output is allocated."""
         n, n_t = int(ko[-1]), len(self.tables)
         first, slots, slot_at, free_at, inverse, uslot, ufree, upos, ev_keys, ev_scores = (
@@ -212,14 +216,63 @@ class TableGroup:
                        first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
                        ev_keys, ev_slots, ev_scores, journal, res)
 
+        found = (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores)
+        if spans is None:  # table after table, each split inside
+            for t in range(n_t):
+                if self._look_inside(t, kn, ko, steps, first, slot_at, free_at, ufree, found,
+                                     journal, res):
+                    return found, res, t
+            return found, res, n_t
         run_parts(look, len(spans))
         undone = np.flatnonzero(res[:, gnb.R_UNDONE])
         stop = int(undone[0]) if undone.size else n_t
         if stop < n_t:
             gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
-        return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
+        return found, res, stop
 
-    def lookup(self, batch: SparseBatch, timer: Callable, hold: bool = False) -> GroupStep | None:
+    def _look_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
+                     first: np.ndarray, slot_at: np.ndarray, free_at: np.ndarray,
+                     ufree: np.ndarray, found: tuple[np.ndarray, ...], journal: np.ndarray,
+                     res: np.ndarray) -> bool:
+        """Table t's lookup split by bucket ranges over the threads, as ``NumbaBackend.lookup``
+        splits it (probe parts, numbering, place parts); whether it failed atomically (then
+        undone)."""
+        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
+        n = int(ko[t + 1] - ko[t])
+        parts = parts_for(self.threads(), n)
+        if parts == 1:
+            gnb.lookup(t, t + 1, kn, ko, self.addr, self.ip, steps,
+                       np.empty((lnb.set_size(n), 2), np.int64), first, slots, slot_at, free_at,
+                       inverse, uslot, ufree, upos, inserted, ev_keys, ev_slots, ev_scores,
+                       journal, res)
+            return bool(res[t, gnb.R_UNDONE])
+        addr, ip = self.addr, self.ip
+        owner = np.empty(n, np.int32)
+        spans = ranges(n, parts)
+        run_parts(lambda p: gnb.owners(t, *spans[p], kn, ko, ip, parts, owner), parts)
+        m = lnb.set_size(n)
+        orders = [np.empty(n, np.int64) for _ in range(parts)]
+        journals = np.empty((parts, 3 * n if ip[t, gnb.I_ATOMIC] else 0, 5), np.int64)
+        tiers = np.zeros((parts, 4), np.int64)
+        probed = run_parts(lambda p: gnb.probe_part(
+            t, p, kn, ko, addr, ip, steps, owner, orders[p], np.empty((m, 2), np.int64), first,
+            slots, slot_at, free_at, journals[p], tiers[p]), parts)
+        gnb.number_first(t, ko, first, slot_at, free_at, inverse, uslot, ufree, upos, res)
+        out = np.zeros((parts, 5), np.int64)
+        run_parts(lambda p: gnb.place_part(
+            t, orders[p][:probed[p][0]], kn, ko, addr, ip, steps, inverse, slots, uslot, ufree,
+            journals[p], probed[p][1], inserted, ev_keys, ev_slots, ev_scores, out[p]), parts)
+        r = res[t]
+        r[gnb.R_TIERS:gnb.R_TIERS + 4] = tiers.sum(0)
+        r[gnb.R_INSERTED:gnb.R_INSERTED + 4] = out[:, :4].sum(0)
+        r[gnb.R_DONE] = 1
+        if ip[t, gnb.I_ATOMIC] and r[gnb.R_FAILED] > 0:
+            gnb.undo_parts(t, addr, ip, journals, out)
+            r[gnb.R_UNDONE] = 1
+            return True
+        return False
+
+    def lookup(self, batch: SparseBatch, timer: Callable, hold: bool = False) -> GroupStep:
         """Looks the batch up in every table of the group and pools it (the forward of a
         training step). A table whose ids cannot all get a row with ``on_full`` RAISE raises
         :class:`~dynemb.errors.CapacityError` having changed nothing, as its own lookup
@@ -230,20 +283,18 @@ class TableGroup:
         ``hold``: each table's rows stay in place until the step's backward (``held``: what
         a pipeline's ``release`` drops if the backward never runs), as ``lookup(hold=True)``.
 
-        None (nothing done: the caller runs the tables one by one) when threads would gain
-        more inside a table than across tables: a grouped call splits by whole tables, so a
-        table holding more than a part's share of the ids would leave the other threads idle,
-        where its own calls split it by buckets, rows and bags."""
+        With threads, a call splits by whole tables where that keeps the threads busy
+        (:func:`splits_well`); where a table holds more than a part's share of the ids, the
+        tables run one after another, each split inside by buckets, new rows, bags and entries
+        as its own calls would split it."""
         keys, lengths, weights, ko = self.ids(batch)
-        if not splits_well(ko, parts_for(self.threads(), int(ko[-1]))):
-            return None
         b, n_t = batch.batch_size, len(self.tables)
         bo = np.zeros(n_t + 1, np.int64)
         np.cumsum(self.ip[:, gnb.I_FEATURES] * b, out=bo[1:])
         n = int(ko[-1])
         kn, ln = keys.numpy(), lengths.numpy()
         steps = np.array([t.state.step + 1 for t in self.tables], np.int64)
-        spans = self.spans(ko)
+        spans = self.spans(ko) if splits_well(ko, parts_for(self.threads(), n)) else None
         found, res, stop = self._probe(kn, ko, steps, spans)
         slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
         failed = res[:, gnb.R_FAILED]
@@ -252,10 +303,16 @@ class TableGroup:
         ev_out = np.empty((3, n), np.int64)
         out = torch.empty(b, self.width, dtype=torch.float32)
         on = out.numpy()
-        run_parts(lambda p: gnb.finish(
-            *spans[p], kn, ko, bo, b, self.addr, self.ip, self.fp, steps, slots, inverse, uslot,
-            upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, unique_slots,
-            unique_pos, ln, weights.numpy(), on, pool, res), len(spans))
+        wn = weights.numpy()
+        done = (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos,
+                ev_out, unique_slots, unique_pos)
+        if spans is None:
+            for t in np.flatnonzero(pool >= 0).tolist():
+                self._finish_inside(t, kn, ko, bo, b, steps, done, ln, wn, on, pool, res)
+        else:
+            run_parts(lambda p: gnb.finish(*spans[p], kn, ko, bo, b, self.addr, self.ip,
+                                           self.fp, steps, *done, ln, wn, on, pool, res),
+                      len(spans))
         step = GroupStep(group=self, keys=keys, lengths=lengths, weights=weights, batch=b,
                          ko=ko, bo=bo, spans=spans, inverse=inverse, unique_slots=unique_slots,
                          unique_pos=unique_pos, inserted=inserted, res=res, timer=timer)
@@ -275,6 +332,28 @@ class TableGroup:
         step.values = out
         return step
 
+    def _finish_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int,
+                       steps: np.ndarray, done: tuple[np.ndarray, ...], ln: np.ndarray,
+                       wn: np.ndarray, on: np.ndarray, pool: np.ndarray, res: np.ndarray) -> None:
+        """``gnb.finish`` of table t, its new rows and its bags split over the threads."""
+        thr, addr, ip = self.threads(), self.addr, self.ip
+        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, \
+            unique_slots, unique_pos = done
+        n = int(ko[t + 1] - ko[t])
+        if parts_for(thr, n) == 1:
+            gnb.finish(t, t + 1, kn, ko, bo, b, addr, ip, self.fp, steps, *done, ln, wn, on,
+                       pool, res)
+            return
+        n_ins = gnb.settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys,
+                           ev_slots, ev_scores, fresh_pos, ev_out, unique_slots, unique_pos, res)
+        news = ranges(n_ins, parts_for(thr, n_ins))
+        run_parts(lambda p: gnb.init_part(t, *news[p], kn, ko, addr, ip, self.fp, steps, slots,
+                                          fresh_pos), len(news))
+        if pool[t] == 1:  # split by bags, into as many parts as the ids are worth
+            bags = ranges(int(bo[t + 1] - bo[t]), parts_for(thr, n))
+            run_parts(lambda p: gnb.pool_part(t, *bags[p], ko, bo, b, addr, ip, inverse,
+                                              unique_slots, ln, wn, on, res), len(bags))
+
 
 @dataclass
 class GroupStep:
@@ -288,8 +367,9 @@ class GroupStep:
     batch: int
     ko: np.ndarray
     bo: np.ndarray
-    spans: list[tuple[int, int]]
-    """The parts' ranges of tables (``TableGroup.spans``), for backward too."""
+    spans: list[tuple[int, int]] | None
+    """The parts' ranges of tables (``TableGroup.spans``), for backward too; None: each table
+    split inside."""
     inverse: np.ndarray
     unique_slots: np.ndarray
     unique_pos: np.ndarray
@@ -377,9 +457,19 @@ class GroupStep:
             g._grads = np.empty(max(int(go[-1]), g._grads.size * 5 // 4), np.float32)
         grads, bad = g._grads, np.zeros(n_t, np.uint8)
         gn = gout.contiguous().numpy()
-        run_parts(lambda p: gnb.gradients(
-            *self.spans[p], self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse,
-            self.lengths.numpy(), self.weights.numpy(), grads, todo, bad), len(self.spans))
+        args = (self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse, self.lengths.numpy(),
+                self.weights.numpy(), grads, todo, bad)
+        if self.spans is None:  # pooling backward on one thread, the check split
+            thr = g.threads()
+            for i in np.flatnonzero(todo).tolist():
+                u, lo, dim = int(self.res[i, gnb.R_ENTRIES]), int(go[i]), g.tables[i].dim
+                rows = ranges(u, parts_for(thr, u))
+                gnb.gradients(i, i + 1, *args, len(rows) == 1)
+                if len(rows) > 1:
+                    bad[i] = not all(run_parts(lambda p: rnb.all_finite(
+                        grads[lo + rows[p][0] * dim:lo + rows[p][1] * dim]), len(rows)))
+        else:
+            run_parts(lambda p: gnb.gradients(*self.spans[p], *args, True), len(self.spans))
         grouped = (todo != 0) & (bad == 0)
         i = n_t
         try:
@@ -411,9 +501,15 @@ class GroupStep:
             args = t.optimizer.kernel_args(t.optimizer.step)[1]
             fa[i, :len(args)] = args
             steps[i] = t.state.step
-        todo = which.astype(np.uint8)
-        run_parts(lambda p: gnb.update(*self.spans[p], self.ko, go, g.addr, g.ip, fa, steps,
-                                       self.unique_slots, grads, todo), len(self.spans))
+        args = (self.ko, go, g.addr, g.ip, fa, steps, self.unique_slots, grads)
+        if self.spans is None:  # each table's entries split over the threads
+            for i in np.flatnonzero(which).tolist():
+                rows = ranges(int(self.res[i, gnb.R_ENTRIES]),
+                              parts_for(g.threads(), int(self.res[i, gnb.R_ENTRIES])))
+                run_parts(lambda p: gnb.update_part(i, *rows[p], *args), len(rows))
+        else:
+            todo = which.astype(np.uint8)
+            run_parts(lambda p: gnb.update(*self.spans[p], *args, todo), len(self.spans))
         for i in np.flatnonzero(which).tolist():
             lk = self.lookups.get(i)
             if lk is not None and lk.holds is not None:

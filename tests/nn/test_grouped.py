@@ -4,10 +4,11 @@ stage trains exactly as the same collection with every table called on its own.
 The reference is the same model with its group switched off (``_group = False``: the per-table
 path). Random collections (dims, optimizers, SUM and MEAN, several features per table, score
 policies, HBM_ONLY and HYBRID, tables that fill up and evict or fail, batches in another feature
-order, with or without per-id weights, 1-3 threads with every call split) must give the same outputs and leave the same rows,
-optimizer state, index, counters and eviction logs; so must the rare cases a grouped table
-hands back to its own code: ids without a row, rows erased between forward and backward, NaN
-gradients, a table that cannot place its ids with ``on_full`` RAISE.
+order, with or without per-id weights, 1-3 threads with every call split, by tables or inside
+each table) must give the same outputs and leave the same rows, optimizer state, index, counters
+and eviction logs; so must the rare cases a grouped table hands back to its own code: ids
+without a row, rows erased between forward and backward, NaN gradients, a table that cannot
+place its ids with ``on_full`` RAISE.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from hypothesis import strategies as st
 import dynemb
 from dynemb.config import Storage, StorageMode
 from dynemb.errors import CapacityError, InputError
-from dynemb.nn.staging import Staged
 from dynemb.kernels import threads
 from dynemb.nn import grouped as grouped_module
 from dynemb.nn.grouped import TableGroup, splits_well
@@ -98,16 +98,24 @@ def _collections(draw):
     return configs, list(order)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_collections(), st.integers(1, 3), st.integers(0, 2**16), st.booleans())
-def test_grouped_training_is_the_per_table_training(spec, n_threads, seed, weighted):
+def _split(n_threads: int, by_tables: bool = False):
+    """Every grouped call split over ``n_threads`` parts: by tables, or inside each table."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(threads, "MIN_PER_PART", 1))
+    stack.enter_context(mock.patch.object(torch, "get_num_threads", return_value=n_threads))
+    stack.enter_context(mock.patch.object(grouped_module, "splits_well",
+                                          return_value=by_tables))
+    return stack
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_collections(), st.integers(1, 3), st.booleans(), st.integers(0, 2**16), st.booleans())
+def test_grouped_training_is_the_per_table_training(spec, n_threads, by_tables, seed, weighted):
     configs, order = spec
     grouped, alone = _pair(configs)
     g = torch.Generator().manual_seed(seed)
     width = sum(c.dim * len(c.features) for c in configs)
-    with mock.patch.object(threads, "MIN_PER_PART", 1), \
-            mock.patch.object(torch, "get_num_threads", return_value=n_threads), \
-            mock.patch.object(grouped_module, "splits_well", return_value=True):
+    with _split(n_threads, by_tables):
         for _ in range(4):
             batch = _batch(g, order, 6, 300, weighted=weighted)
             w = torch.randn(6, width, generator=g)
@@ -135,6 +143,14 @@ FEATURES = ["fa", "fb", "fc", "fd"]
 
 
 def _run_both(configs, steps, between=None, weight=None, span=300):
+    """Runs ``_run_both_now`` on one thread, then with the grouped calls split inside each
+    table over 3 threads; returns the second run's collections."""
+    _run_both_now(configs, steps, between, weight, span)
+    with _split(3):
+        return _run_both_now(configs, steps, between, weight, span)
+
+
+def _run_both_now(configs, steps, between=None, weight=None, span=300):
     grouped, alone = _pair(configs)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -169,9 +185,11 @@ def test_non_finite_gradients_follow_the_table_rule(rule):
     assert stats["b"] > 0 and stats["a"] == stats["c"] == 0
 
 
-@pytest.mark.parametrize("n_threads", [1, 3])
-def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouched(n_threads):
-    # with 3 threads, table c's lookup runs beside b's and is undone when b fails
+@pytest.mark.parametrize("n_threads, by_tables", [(1, True), (3, True), (3, False)])
+def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouched(n_threads,
+                                                                                  by_tables):
+    # with 3 threads, table c's lookup runs beside b's and is undone when b fails; split inside
+    # each table, c is never looked up
     configs = [dataclasses.replace(c, threads=n_threads) for c in _configs()]
     configs[1] = dataclasses.replace(configs[1], capacity=16,
                                      score=dynemb.ScorePolicy.NO_EVICTION)
@@ -180,8 +198,7 @@ def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouche
     lengths = torch.cat([torch.randint(1, 4, (24,), generator=g), torch.full((8,), 6)])
     ids = torch.randint(0, 10**6, (int(lengths.sum()),), generator=g)
     batch = dynemb.SparseBatch(features=FEATURES, values=ids, lengths=lengths)
-    with mock.patch.object(threads, "MIN_PER_PART", 1), \
-            mock.patch.object(grouped_module, "splits_well", return_value=True):
+    with _split(n_threads, by_tables):
         for model in (grouped, alone):
             with pytest.raises(CapacityError, match="table 'b'"):
                 model(batch)
@@ -207,7 +224,7 @@ def test_threads_split_the_group_by_tables():
     _same_tables(grouped, alone)
 
 
-def test_a_table_too_big_to_share_threads_runs_alone():
+def test_a_table_too_big_to_share_threads_is_split_inside():
     # one table holds most ids: 2 threads gain more inside it than across tables
     configs = [dynemb.TableConfig(name=f"t{i}", dim=8, features=[f"f{i}"], capacity=1 << 14,
                                   optimizer=dynemb.SGD(lr=0.1), threads=2) for i in range(2)]
@@ -216,10 +233,17 @@ def test_a_table_too_big_to_share_threads_runs_alone():
     lengths = torch.cat([torch.full((1000,), 3), torch.ones(1000, dtype=torch.int64)])
     batch = dynemb.SparseBatch(features=["f0", "f1"], lengths=lengths,
                                values=torch.randint(0, 10**6, (4000,), generator=g))
-    assert grouped._group_for(Staged(batch=batch, training=True, grad=True, state=batch)) \
-        .lookup(batch, contextlib.nullcontext) is None
+    parts = []
+    split = grouped_module.gnb.probe_part
+
+    def probe_part(t, p, *args):
+        parts.append((t, p))
+        return split(t, p, *args)
+
     w = torch.randn(1000, 16, generator=g)
-    assert torch.equal(_step(grouped, batch, w), _step(alone, batch, w))
+    with mock.patch.object(grouped_module.gnb, "probe_part", probe_part):
+        assert torch.equal(_step(grouped, batch, w), _step(alone, batch, w))
+    assert sorted(parts) == [(0, 0), (0, 1)]  # table 1's 1000 ids are not worth two parts
     _same_tables(grouped, alone)
     assert splits_well(np.array([0, 3000, 4000]), 1)
     assert not splits_well(np.array([0, 3000, 4000]), 2)
