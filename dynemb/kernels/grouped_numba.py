@@ -14,9 +14,10 @@ per-call data of all tables lies in shared buffers, table t's at its offsets: id
 ``[ko[t], ko[t+1])`` (also its occurrences' and entries' rows in the (N,) buffers), bags
 ``[bo[t], bo[t+1])``, output columns ``[ip[t, I_COL], + F·dim)``, gradient elements
 ``[go[t], go[t+1])``. A call covers tables ``[t_lo, t_hi)``: a part (``kernels.threads``);
-tables share nothing, so parts run at once. A table holding more than a part's share of the
-ids is split inside instead, stage by stage, as its own calls split it (the ``*_part``
-kernels: the lookup by bucket ranges, new rows, bags and entries by ranges).
+tables share nothing, so parts run at once. Where a table holds more than a part's share of the
+ids, the tables run one after another instead, each split inside as its own calls split it
+(the ``*_part`` kernels: the lookup by bucket ranges, new rows, bags and entries by ranges;
+a table too small to split runs whole).
 
 ``ip`` (T, I_WIDTH) int64 and ``fp`` (T, 3) float64 hold each table's fixed parameters;
 ``res`` (T, R_WIDTH) int64 what each table's call did.
@@ -206,7 +207,7 @@ def number_first(t, ko, first, slot_at, free_at, inverse, uslot, ufree, upos, re
 @njit(cache=True, nogil=True)
 def place_part(t, order, keys, ko, addr, ip, steps, inverse, slots, uslot, ufree, journal, n_j,
                inserted, ev_keys, ev_slots, ev_scores, out):
-    """Part p of table t's place, at the occurrences ``order`` its probe part listed."""
+    """A part of table t's place: the occurrences ``order`` its :func:`probe_part` listed."""
     lo, hi = ko[t], ko[t + 1]
     ikeys, iscores, dig, pins = _index(addr, ip, t)
     lnb.place(False, order, keys[lo:hi], _I64, ikeys, iscores, dig, pins, ip[t, I_BUCKETS],

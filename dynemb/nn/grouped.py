@@ -11,11 +11,10 @@ A table joins its collection's group when its kernels can run there: a CPU table
 backend, HBM_ONLY or HYBRID, without admission, CUSTOM scores, gradient clipping or ddr files
 (:func:`groupable`). A step runs grouped when it trains (updates rows) and its per-id weights, if
 any, need no gradient; any other step, and every table outside the group, takes the per-table
-path. A pipeline's held
-lookups hold their rows grouped as they would table by table. Inside a grouped step a table
-falls back to the per-table code for what is rare: ids that got no row (``on_full``
-WARN/COUNT), rows evicted or erased between forward and backward, gradients holding NaN or
-inf.
+path. A pipeline's held lookups hold their rows grouped as they would table by table. Inside a
+grouped step a table falls back to the per-table code for what is rare: ids that got no row
+(``on_full`` WARN/COUNT), rows evicted or erased between forward and backward, gradients
+holding NaN or inf.
 """
 
 from __future__ import annotations
@@ -193,14 +192,12 @@ class TableGroup:
         return keys, lengths, weights, ko
 
     def _probe(self, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
-               spans: list[tuple[int, int]] | None
-               ) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
-        """The lookup driver over the ids ``kn`` (N,), split by ``spans`` of tables (None:
-        each table split inside, table after table): (what ``finish`` reads: slots, inverse,
-        uslot, upos, inserted, ev_keys, ev_slots, ev_scores; the per-table results; the first
-        table that failed atomically, or T: every table after it undone or not looked up).
-        Its scratch (the sets, the journal, the probe paths) is freed on return, before the
-        pooled output is allocated."""
+               spans: list[tuple[int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray, int]:
+        """The lookup driver over the ids ``kn`` (N,), split by ``spans`` of tables: (what
+        ``finish`` reads: slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores;
+        the per-table results; the first table that failed atomically, or T: every table after
+        it undone). Its scratch (the sets, the journal, the probe paths) is freed on return,
+        before the pooled output is allocated."""
         n, n_t = int(ko[-1]), len(self.tables)
         first, slots, slot_at, free_at, inverse, uslot, ufree, upos, ev_keys, ev_scores = (
             np.empty(n, np.int64) for _ in range(10))
@@ -216,19 +213,61 @@ class TableGroup:
                        first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
                        ev_keys, ev_slots, ev_scores, journal, res)
 
-        found = (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores)
-        if spans is None:  # table after table, each split inside
-            for t in range(n_t):
-                if self._look_inside(t, kn, ko, steps, first, slot_at, free_at, ufree, found,
-                                     journal, res):
-                    return found, res, t
-            return found, res, n_t
         run_parts(look, len(spans))
         undone = np.flatnonzero(res[:, gnb.R_UNDONE])
         stop = int(undone[0]) if undone.size else n_t
         if stop < n_t:
             gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
-        return found, res, stop
+        return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
+
+    def _by_tables(self, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int,
+                   steps: np.ndarray, ln: np.ndarray, wn: np.ndarray,
+                   spans: list[tuple[int, int]]) -> tuple[tuple, np.ndarray, int, torch.Tensor]:
+        """Every table's lookup, then every table's finish, split by ``spans`` of tables:
+        ((slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos,
+        ev_out, unique_slots, unique_pos), the per-table results, the first table that failed
+        atomically or T, the pooled output)."""
+        n, n_t = int(ko[-1]), len(self.tables)
+        found, res, stop = self._probe(kn, ko, steps, spans)
+        failed = res[:, gnb.R_FAILED]
+        pool = np.where(np.arange(n_t) < stop, np.where(failed > 0, 0, 1), -1).astype(np.int64)
+        fresh_pos, unique_slots, unique_pos = (np.empty(n, np.int64) for _ in range(3))
+        done = (*found, fresh_pos, np.empty((3, n), np.int64), unique_slots, unique_pos)
+        out = torch.empty(b, self.width, dtype=torch.float32)
+        on = out.numpy()
+        run_parts(lambda p: gnb.finish(*spans[p], kn, ko, bo, b, self.addr, self.ip, self.fp,
+                                       steps, *done, ln, wn, on, pool, res), len(spans))
+        return done, res, stop, out
+
+    def _inside(self, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int, steps: np.ndarray,
+                ln: np.ndarray, wn: np.ndarray) -> tuple[tuple, np.ndarray, int, torch.Tensor]:
+        """Each table's lookup then its finish, table after table, each split inside over the
+        threads (so that an interrupt leaves at most the table in flight half done, as table
+        by table); returns as :meth:`_by_tables`."""
+        n, n_t = int(ko[-1]), len(self.tables)
+        first, slot_at, free_at, ufree, slots, inverse, uslot, upos, ev_keys, ev_scores = (
+            np.empty(n, np.int64) for _ in range(10))
+        found = (slots, inverse, uslot, upos, np.zeros(n, np.bool_), ev_keys,
+                 np.full(n, -1, np.int64), ev_scores)
+        done = (*found, np.empty(n, np.int64), np.empty((3, n), np.int64),
+                np.empty(n, np.int64), np.empty(n, np.int64))
+        journal = np.empty((3 * n if self.journals else 0, 5), np.int64)
+        res = np.zeros((n_t, gnb.R_WIDTH), np.int64)
+        pool = np.ones(n_t, np.int64)
+        out = torch.empty(b, self.width, dtype=torch.float32)
+        t = 0
+        try:
+            for t in range(n_t):
+                if self._look_inside(t, kn, ko, steps, first, slot_at, free_at, ufree, found,
+                                     journal if self.ip[t, gnb.I_ATOMIC] else journal[:0], res):
+                    return done, res, t, out
+                pool[t] = 0 if res[t, gnb.R_FAILED] else 1
+                self._finish_inside(t, kn, ko, bo, b, steps, done, ln, wn, out.numpy(), pool,
+                                    res)
+        except BaseException:  # (an interrupt) the tables done before count their lookups
+            _count(self.tables, ko, res, t, done[9])
+            raise
+        return done, res, n_t, out
 
     def _look_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
                      first: np.ndarray, slot_at: np.ndarray, free_at: np.ndarray,
@@ -295,24 +334,11 @@ class TableGroup:
         kn, ln = keys.numpy(), lengths.numpy()
         steps = np.array([t.state.step + 1 for t in self.tables], np.int64)
         spans = self.spans(ko) if splits_well(ko, parts_for(self.threads(), n)) else None
-        found, res, stop = self._probe(kn, ko, steps, spans)
-        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
+        args = (kn, ko, bo, b, steps, ln, weights.numpy())
+        done, res, stop, out = (self._inside(*args) if spans is None
+                                else self._by_tables(*args, spans))
+        _, inverse, _, _, inserted, _, _, _, _, ev_out, unique_slots, unique_pos = done
         failed = res[:, gnb.R_FAILED]
-        pool = np.where(np.arange(n_t) < stop, np.where(failed > 0, 0, 1), -1).astype(np.int64)
-        fresh_pos, unique_slots, unique_pos = (np.empty(n, np.int64) for _ in range(3))
-        ev_out = np.empty((3, n), np.int64)
-        out = torch.empty(b, self.width, dtype=torch.float32)
-        on = out.numpy()
-        wn = weights.numpy()
-        done = (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos,
-                ev_out, unique_slots, unique_pos)
-        if spans is None:
-            for t in np.flatnonzero(pool >= 0).tolist():
-                self._finish_inside(t, kn, ko, bo, b, steps, done, ln, wn, on, pool, res)
-        else:
-            run_parts(lambda p: gnb.finish(*spans[p], kn, ko, bo, b, self.addr, self.ip,
-                                           self.fp, steps, *done, ln, wn, on, pool, res),
-                      len(spans))
         step = GroupStep(group=self, keys=keys, lengths=lengths, weights=weights, batch=b,
                          ko=ko, bo=bo, spans=spans, inverse=inverse, unique_slots=unique_slots,
                          unique_pos=unique_pos, inserted=inserted, res=res, timer=timer)
@@ -325,7 +351,7 @@ class TableGroup:
                 lk = step.lookup_of(i)
                 t.resolver.hold(lk)
                 step.held.append((t, lk))
-        for i in np.flatnonzero(pool == 0):  # ids without a row: the table pools itself
+        for i in np.flatnonzero(failed[:stop] > 0):  # ids without a row: the table pools itself
             st = step.fallback(int(i))
             lo, hi = self.cols[i]
             out[:, lo:hi] = st.pool()
@@ -335,7 +361,8 @@ class TableGroup:
     def _finish_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int,
                        steps: np.ndarray, done: tuple[np.ndarray, ...], ln: np.ndarray,
                        wn: np.ndarray, on: np.ndarray, pool: np.ndarray, res: np.ndarray) -> None:
-        """``gnb.finish`` of table t, its new rows and its bags split over the threads."""
+        """``gnb.finish`` of table t (``pool[t]``), its new rows and bags split over the
+        threads."""
         thr, addr, ip = self.threads(), self.addr, self.ip
         slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, \
             unique_slots, unique_pos = done
@@ -353,6 +380,30 @@ class TableGroup:
             bags = ranges(int(bo[t + 1] - bo[t]), parts_for(thr, n))
             run_parts(lambda p: gnb.pool_part(t, *bags[p], ko, bo, b, addr, ip, inverse,
                                               unique_slots, ln, wn, on, res), len(bags))
+
+
+def _count(tables: Sequence[DynamicTable], ko: np.ndarray, res: np.ndarray, stop: int,
+           ev_out: np.ndarray) -> tuple[dict, list[int]]:
+    """Counts the lookups of the tables before ``stop`` as their own lookups would: step,
+    lookups, tiers, evictions, ids that got no row; returns (table position -> the rows it
+    evicted, where it evicted any; each table's eviction epoch after its lookup)."""
+    sizes = np.diff(ko).tolist()
+    evicted, epochs = {}, []
+    for i, t, r in zip(range(stop), tables, res[:stop].tolist()):
+        st = t.state
+        st.touch(sizes[i])
+        c = st.counters
+        for name, v in zip(_TIERS, r[gnb.R_TIERS:gnb.R_TIERS + 4]):
+            if v:
+                c[name] += v
+        n_ev = r[gnb.R_EVICTED]
+        if n_ev:
+            ev = torch.from_numpy(ev_out[:, ko[i]:ko[i] + n_ev])
+            evicted[i] = t.life.take_evicted(ev[0], ev[1], ev[2], with_rows=False, offset=0)
+        if r[gnb.R_FAILED]:
+            t.resolver.on_full(r[gnb.R_FAILED])
+        epochs.append(st.epoch)
+    return evicted, epochs
 
 
 @dataclass
@@ -390,26 +441,8 @@ class GroupStep:
     """(table, lookup) of each table whose rows the step holds, until its backward."""
 
     def record(self, stop: int, ev_out: np.ndarray) -> None:
-        """Counts the lookups of the tables before ``stop`` as their own lookups would: step,
-        lookups, tiers, evictions, ids that got no row."""
-        sizes = np.diff(self.ko).tolist()
-        res = self.res[:stop].tolist()
-        for i, t, r in zip(range(stop), self.group.tables, res):
-            st = t.state
-            st.touch(sizes[i])
-            c = st.counters
-            for name, v in zip(_TIERS, r[gnb.R_TIERS:gnb.R_TIERS + 4]):
-                if v:
-                    c[name] += v
-            n_ev = r[gnb.R_EVICTED]
-            if n_ev:
-                lo = self.ko[i]
-                ev = torch.from_numpy(ev_out[:, lo:lo + n_ev])
-                self.evicted[i] = t.life.take_evicted(ev[0], ev[1], ev[2], with_rows=False,
-                                                      offset=0)
-            if r[gnb.R_FAILED]:
-                t.resolver.on_full(r[gnb.R_FAILED])
-            self.epochs.append(st.epoch)
+        """Counts the lookups of the tables before ``stop`` (:func:`_count`)."""
+        self.evicted, self.epochs = _count(self.group.tables, self.ko, self.res, stop, ev_out)
 
     def lookup_of(self, i: int) -> Lookup:
         """Table ``i``'s lookup as its own lookup would have returned it (made once)."""
@@ -459,15 +492,13 @@ class GroupStep:
         gn = gout.contiguous().numpy()
         args = (self.ko, self.bo, go, self.batch, gn, g.ip, self.inverse, self.lengths.numpy(),
                 self.weights.numpy(), grads, todo, bad)
-        if self.spans is None:  # pooling backward on one thread, the check split
-            thr = g.threads()
+        if self.spans is None:  # pooling backward on one thread, each table's check split
+            gnb.gradients(0, n_t, *args, False)
             for i in np.flatnonzero(todo).tolist():
                 u, lo, dim = int(self.res[i, gnb.R_ENTRIES]), int(go[i]), g.tables[i].dim
-                rows = ranges(u, parts_for(thr, u))
-                gnb.gradients(i, i + 1, *args, len(rows) == 1)
-                if len(rows) > 1:
-                    bad[i] = not all(run_parts(lambda p: rnb.all_finite(
-                        grads[lo + rows[p][0] * dim:lo + rows[p][1] * dim]), len(rows)))
+                rows = ranges(u, parts_for(g.threads(), u))
+                bad[i] = not all(run_parts(lambda p: rnb.all_finite(
+                    grads[lo + rows[p][0] * dim:lo + rows[p][1] * dim]), len(rows)))
         else:
             run_parts(lambda p: gnb.gradients(*self.spans[p], *args, True), len(self.spans))
         grouped = (todo != 0) & (bad == 0)

@@ -361,3 +361,26 @@ def test_the_reserved_key_is_refused_naming_its_table():
     for model in _pair(_configs()):
         with pytest.raises(InputError, match="table 'c': lookup: found the reserved empty key"):
             model(batch)
+
+
+def test_an_interrupt_inside_a_split_table_leaves_the_tables_before_it_done():
+    # split inside, the tables run one after another: those done before the interrupt are
+    # looked up, finished and counted, as table by table; the ones after it are untouched
+    grouped, alone = _pair(_configs())
+    batch = _batch(torch.Generator().manual_seed(13), FEATURES, 8, 300)
+    owners = grouped_module.gnb.owners
+
+    def interrupted(t, *args):
+        if t == 1:
+            raise KeyboardInterrupt
+        return owners(t, *args)
+
+    with _split(2):
+        with mock.patch.object(grouped_module.gnb, "owners", interrupted), \
+                pytest.raises(KeyboardInterrupt):
+            grouped(batch)
+        with mock.patch.object(alone.tables["b"], "lookup", side_effect=KeyboardInterrupt), \
+                pytest.raises(KeyboardInterrupt):
+            alone(batch)
+    assert grouped.tables["a"].step == 1 and grouped.tables["a"].size() > 0
+    _same_tables(grouped, alone)
