@@ -243,7 +243,8 @@ class TableGroup:
                 ln: np.ndarray, wn: np.ndarray) -> tuple[tuple, np.ndarray, int, torch.Tensor]:
         """Each table's lookup then its finish, table after table, each split inside over the
         threads (so that an interrupt leaves at most the table in flight half done, as table
-        by table); returns as :meth:`_by_tables`."""
+        by table; a run of tables too small to split goes through one compiled call per
+        stage); returns as :meth:`_by_tables`."""
         n, n_t = int(ko[-1]), len(self.tables)
         first, slot_at, free_at, ufree, slots, inverse, uslot, upos, ev_keys, ev_scores = (
             np.empty(n, np.int64) for _ in range(10))
@@ -255,36 +256,47 @@ class TableGroup:
         res = np.zeros((n_t, gnb.R_WIDTH), np.int64)
         pool = np.ones(n_t, np.int64)
         out = torch.empty(b, self.width, dtype=torch.float32)
+        thr = self.threads()
+        whole = [parts_for(thr, int(ko[t + 1] - ko[t])) == 1 for t in range(n_t)] + [False]
         t = 0
         try:
-            for t in range(n_t):
-                if self._look_inside(t, kn, ko, steps, first, slot_at, free_at, ufree, found,
-                                     journal if self.ip[t, gnb.I_ATOMIC] else journal[:0], res):
-                    return done, res, t, out
-                pool[t] = 0 if res[t, gnb.R_FAILED] else 1
-                self._finish_inside(t, kn, ko, bo, b, steps, done, ln, wn, out.numpy(), pool,
-                                    res)
+            while t < n_t:
+                hi = t + 1
+                while whole[t] and whole[hi]:
+                    hi += 1
+                j = journal if self.ip[t:hi, gnb.I_ATOMIC].any() else journal[:0]
+                stop = self._look_inside(t, hi, kn, ko, steps, first, slot_at, free_at, ufree,
+                                         found, j, res)
+                pool[t:stop] = res[t:stop, gnb.R_FAILED] == 0
+                if stop > t:
+                    self._finish_inside(t, stop, kn, ko, bo, b, steps, done, ln, wn,
+                                        out.numpy(), pool, res)
+                if stop < hi:
+                    return done, res, stop, out
+                t = hi
         except BaseException:  # (an interrupt) the tables done before count their lookups
             _count(self.tables, ko, res, t, done[9])
             raise
         return done, res, n_t, out
 
-    def _look_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
+    def _look_inside(self, t: int, hi: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
                      first: np.ndarray, slot_at: np.ndarray, free_at: np.ndarray,
                      ufree: np.ndarray, found: tuple[np.ndarray, ...], journal: np.ndarray,
-                     res: np.ndarray) -> bool:
-        """Table t's lookup split by bucket ranges over the threads, as ``NumbaBackend.lookup``
-        splits it (probe parts, numbering, place parts); whether it failed atomically (then
-        undone)."""
+                     res: np.ndarray) -> int:
+        """The lookup of tables ``[t, hi)``: one table split by bucket ranges over the threads,
+        as ``NumbaBackend.lookup`` splits it (probe parts, numbering, place parts), or tables
+        too small to split in one call; returns the table that failed atomically (undone), or
+        ``hi``."""
         slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
         n = int(ko[t + 1] - ko[t])
         parts = parts_for(self.threads(), n)
         if parts == 1:
-            gnb.lookup(t, t + 1, kn, ko, self.addr, self.ip, steps,
-                       np.empty((lnb.set_size(n), 2), np.int64), first, slots, slot_at, free_at,
-                       inverse, uslot, ufree, upos, inserted, ev_keys, ev_slots, ev_scores,
-                       journal, res)
-            return bool(res[t, gnb.R_UNDONE])
+            m = lnb.set_size(int(np.diff(ko[t:hi + 1]).max()))
+            gnb.lookup(t, hi, kn, ko, self.addr, self.ip, steps, np.empty((m, 2), np.int64),
+                       first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
+                       ev_keys, ev_slots, ev_scores, journal, res)
+            undone = np.flatnonzero(res[t:hi, gnb.R_UNDONE])
+            return t + int(undone[0]) if undone.size else hi
         addr, ip = self.addr, self.ip
         owner = np.empty(n, np.int32)
         spans = ranges(n, parts)
@@ -308,8 +320,8 @@ class TableGroup:
         if ip[t, gnb.I_ATOMIC] and r[gnb.R_FAILED] > 0:
             gnb.undo_parts(t, addr, ip, journals, out)
             r[gnb.R_UNDONE] = 1
-            return True
-        return False
+            return t
+        return hi
 
     def lookup(self, batch: SparseBatch, timer: Callable, hold: bool = False) -> GroupStep:
         """Looks the batch up in every table of the group and pools it (the forward of a
@@ -358,18 +370,19 @@ class TableGroup:
         step.values = out
         return step
 
-    def _finish_inside(self, t: int, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int,
-                       steps: np.ndarray, done: tuple[np.ndarray, ...], ln: np.ndarray,
+    def _finish_inside(self, t: int, hi: int, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray,
+                       b: int, steps: np.ndarray, done: tuple[np.ndarray, ...], ln: np.ndarray,
                        wn: np.ndarray, on: np.ndarray, pool: np.ndarray, res: np.ndarray) -> None:
-        """``gnb.finish`` of table t (``pool[t]``), its new rows and bags split over the
-        threads."""
+        """``gnb.finish`` of tables ``[t, hi)`` (``pool``) as :meth:`_look_inside` looked them
+        up: one table's new rows and bags split over the threads, or the small ones in one
+        call."""
         thr, addr, ip = self.threads(), self.addr, self.ip
         slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores, fresh_pos, ev_out, \
             unique_slots, unique_pos = done
         n = int(ko[t + 1] - ko[t])
         if parts_for(thr, n) == 1:
-            gnb.finish(t, t + 1, kn, ko, bo, b, addr, ip, self.fp, steps, *done, ln, wn, on,
-                       pool, res)
+            gnb.finish(t, hi, kn, ko, bo, b, addr, ip, self.fp, steps, *done, ln, wn, on, pool,
+                       res)
             return
         n_ins = gnb.settle(t, ko, addr, ip, slots, inverse, uslot, upos, inserted, ev_keys,
                            ev_slots, ev_scores, fresh_pos, ev_out, unique_slots, unique_pos, res)
@@ -533,13 +546,16 @@ class GroupStep:
             fa[i, :len(args)] = args
             steps[i] = t.state.step
         args = (self.ko, go, g.addr, g.ip, fa, steps, self.unique_slots, grads)
-        if self.spans is None:  # each table's entries split over the threads
+        todo = which.astype(np.uint8)
+        if self.spans is None:  # each big table's entries split over the threads
             for i in np.flatnonzero(which).tolist():
-                rows = ranges(int(self.res[i, gnb.R_ENTRIES]),
-                              parts_for(g.threads(), int(self.res[i, gnb.R_ENTRIES])))
-                run_parts(lambda p: gnb.update_part(i, *rows[p], *args), len(rows))
+                u = int(self.res[i, gnb.R_ENTRIES])
+                rows = ranges(u, parts_for(g.threads(), u))
+                if len(rows) > 1:
+                    run_parts(lambda p: gnb.update_part(i, *rows[p], *args), len(rows))
+                    todo[i] = 0
+            gnb.update(0, n_t, *args, todo)  # the others
         else:
-            todo = which.astype(np.uint8)
             run_parts(lambda p: gnb.update(*self.spans[p], *args, todo), len(self.spans))
         for i in np.flatnonzero(which).tolist():
             lk = self.lookups.get(i)

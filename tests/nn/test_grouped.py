@@ -98,10 +98,11 @@ def _collections(draw):
     return configs, list(order)
 
 
-def _split(n_threads: int, by_tables: bool = False):
-    """Every grouped call split over ``n_threads`` parts: by tables, or inside each table."""
+def _split(n_threads: int, by_tables: bool = False, least: int = 1):
+    """Every grouped call split over ``n_threads`` parts: by tables, or inside each table that
+    has ``least`` ids per part (the others run whole, a run of them in one call)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(threads, "MIN_PER_PART", 1))
+    stack.enter_context(mock.patch.object(threads, "MIN_PER_PART", least))
     stack.enter_context(mock.patch.object(torch, "get_num_threads", return_value=n_threads))
     stack.enter_context(mock.patch.object(grouped_module, "splits_well",
                                           return_value=by_tables))
@@ -109,13 +110,14 @@ def _split(n_threads: int, by_tables: bool = False):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_collections(), st.integers(1, 3), st.booleans(), st.integers(0, 2**16), st.booleans())
-def test_grouped_training_is_the_per_table_training(spec, n_threads, by_tables, seed, weighted):
+@given(_collections(), st.integers(1, 3), st.sampled_from(["tables", "inside", "some inside"]),
+       st.integers(0, 2**16), st.booleans())
+def test_grouped_training_is_the_per_table_training(spec, n_threads, split, seed, weighted):
     configs, order = spec
     grouped, alone = _pair(configs)
     g = torch.Generator().manual_seed(seed)
     width = sum(c.dim * len(c.features) for c in configs)
-    with _split(n_threads, by_tables):
+    with _split(n_threads, split == "tables", 8 if split == "some inside" else 1):
         for _ in range(4):
             batch = _batch(g, order, 6, 300, weighted=weighted)
             w = torch.randn(6, width, generator=g)
@@ -185,9 +187,11 @@ def test_non_finite_gradients_follow_the_table_rule(rule):
     assert stats["b"] > 0 and stats["a"] == stats["c"] == 0
 
 
-@pytest.mark.parametrize("n_threads, by_tables", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("n_threads, by_tables, least",
+                         [(1, True, 1), (3, True, 1), (3, False, 1), (3, False, 1000)])
 def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouched(n_threads,
-                                                                                  by_tables):
+                                                                                  by_tables,
+                                                                                  least):
     # with 3 threads, table c's lookup runs beside b's and is undone when b fails; split inside
     # each table, c is never looked up
     configs = [dataclasses.replace(c, threads=n_threads) for c in _configs()]
@@ -198,11 +202,12 @@ def test_a_table_that_cannot_place_its_ids_raises_and_the_next_ones_are_untouche
     lengths = torch.cat([torch.randint(1, 4, (24,), generator=g), torch.full((8,), 6)])
     ids = torch.randint(0, 10**6, (int(lengths.sum()),), generator=g)
     batch = dynemb.SparseBatch(features=FEATURES, values=ids, lengths=lengths)
-    with _split(n_threads, by_tables):
+    with _split(n_threads, by_tables, least):
         for model in (grouped, alone):
             with pytest.raises(CapacityError, match="table 'b'"):
                 model(batch)
-        assert len(grouped._group.spans(grouped._group.ids(batch)[-1])) == n_threads
+        if least == 1:
+            assert len(grouped._group.spans(grouped._group.ids(batch)[-1])) == n_threads
     _same_tables(grouped, alone)
     assert grouped.tables["a"].step == 1 and grouped.tables["c"].step == 0
     assert grouped.tables["c"].size() == 0
@@ -227,23 +232,29 @@ def test_threads_split_the_group_by_tables():
 def test_a_table_too_big_to_share_threads_is_split_inside():
     # one table holds most ids: 2 threads gain more inside it than across tables
     configs = [dynemb.TableConfig(name=f"t{i}", dim=8, features=[f"f{i}"], capacity=1 << 14,
-                                  optimizer=dynemb.SGD(lr=0.1), threads=2) for i in range(2)]
+                                  optimizer=dynemb.SGD(lr=0.1), threads=2) for i in range(3)]
     grouped, alone = _pair(configs)
     g = torch.Generator().manual_seed(8)
-    lengths = torch.cat([torch.full((1000,), 3), torch.ones(1000, dtype=torch.int64)])
-    batch = dynemb.SparseBatch(features=["f0", "f1"], lengths=lengths,
-                               values=torch.randint(0, 10**6, (4000,), generator=g))
-    parts = []
-    split = grouped_module.gnb.probe_part
+    lengths = torch.cat([torch.full((1000,), 3), torch.ones(2000, dtype=torch.int64)])
+    batch = dynemb.SparseBatch(features=["f0", "f1", "f2"], lengths=lengths,
+                               values=torch.randint(0, 10**6, (5000,), generator=g))
+    calls = []
+    split, whole = grouped_module.gnb.probe_part, grouped_module.gnb.lookup
 
     def probe_part(t, p, *args):
-        parts.append((t, p))
+        calls.append(("part", t, p))
         return split(t, p, *args)
 
-    w = torch.randn(1000, 16, generator=g)
-    with mock.patch.object(grouped_module.gnb, "probe_part", probe_part):
+    def lookup(lo, hi, *args):
+        calls.append(("whole", lo, hi))
+        return whole(lo, hi, *args)
+
+    w = torch.randn(1000, 24, generator=g)
+    with mock.patch.object(grouped_module.gnb, "probe_part", probe_part), \
+            mock.patch.object(grouped_module.gnb, "lookup", lookup):
         assert torch.equal(_step(grouped, batch, w), _step(alone, batch, w))
-    assert sorted(parts) == [(0, 0), (0, 1)]  # table 1's 1000 ids are not worth two parts
+    # tables 1 and 2 (1000 ids each) are not worth two parts: one call looks both up
+    assert sorted(calls) == [("part", 0, 0), ("part", 0, 1), ("whole", 1, 3)]
     _same_tables(grouped, alone)
     assert splits_well(np.array([0, 3000, 4000]), 1)
     assert not splits_well(np.array([0, 3000, 4000]), 2)
