@@ -33,7 +33,6 @@ from dynemb.config import OnFull, PoolingMode, ScorePolicy, StorageMode
 from dynemb.errors import InputError
 from dynemb.kernels import grouped_numba as gnb
 from dynemb.kernels import lookup_numba as lnb
-from dynemb.kernels import rows_numba as rnb
 from dynemb.kernels.backend import init_params
 from dynemb.kernels.threads import parts_for, ranges, resolve, run_parts
 from dynemb.table.stats import Lookup
@@ -199,26 +198,36 @@ class TableGroup:
         it undone). Its scratch (the sets, the journal, the probe paths) is freed on return,
         before the pooled output is allocated."""
         n, n_t = int(ko[-1]), len(self.tables)
-        first, slots, slot_at, free_at, inverse, uslot, ufree, upos, ev_keys, ev_scores = (
-            np.empty(n, np.int64) for _ in range(10))
-        ev_slots = np.full(n, -1, np.int64)
-        inserted = np.zeros(n, np.bool_)
-        journal = np.empty((3 * n if self.journals else 0, 5), np.int64)
-        res = np.zeros((n_t, gnb.R_WIDTH), np.int64)
-
-        def look(p: int) -> None:
-            lo, hi = spans[p]
-            m = lnb.set_size(int(np.diff(ko[lo:hi + 1]).max(initial=0)))
-            gnb.lookup(lo, hi, kn, ko, self.addr, self.ip, steps, np.empty((m, 2), np.int64),
-                       first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
-                       ev_keys, ev_slots, ev_scores, journal, res)
-
-        run_parts(look, len(spans))
+        scratch, found, journal, res = self._arrays(n)
+        run_parts(lambda p: self._lookup_whole(*spans[p], kn, ko, steps, scratch, found, journal,
+                                               res), len(spans))
         undone = np.flatnonzero(res[:, gnb.R_UNDONE])
         stop = int(undone[0]) if undone.size else n_t
         if stop < n_t:
             gnb.undo(stop + 1, n_t, ko, self.addr, self.ip, journal, res)
-        return (slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores), res, stop
+        return found, res, stop
+
+    def _arrays(self, n: int) -> tuple[tuple, tuple, np.ndarray, np.ndarray]:
+        """A lookup's arrays for N ids: (its scratch: first, slot_at, free_at, ufree; what
+        ``finish`` reads: slots, inverse, uslot, upos, inserted, ev_keys, ev_slots (-1),
+        ev_scores; the journal; the per-table results)."""
+        first, slot_at, free_at, ufree, slots, inverse, uslot, upos, ev_keys, ev_scores = (
+            np.empty(n, np.int64) for _ in range(10))
+        found = (slots, inverse, uslot, upos, np.zeros(n, np.bool_), ev_keys,
+                 np.full(n, -1, np.int64), ev_scores)
+        journal = np.empty((3 * n if self.journals else 0, 5), np.int64)
+        res = np.zeros((len(self.tables), gnb.R_WIDTH), np.int64)
+        return (first, slot_at, free_at, ufree), found, journal, res
+
+    def _lookup_whole(self, lo: int, hi: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
+                      scratch: tuple, found: tuple, journal: np.ndarray, res: np.ndarray) -> None:
+        """``gnb.lookup`` of tables ``[lo, hi)``, each in one part (``_arrays``' arrays)."""
+        first, slot_at, free_at, ufree = scratch
+        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
+        m = lnb.set_size(int(np.diff(ko[lo:hi + 1]).max(initial=0)))
+        gnb.lookup(lo, hi, kn, ko, self.addr, self.ip, steps, np.empty((m, 2), np.int64), first,
+                   slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted, ev_keys,
+                   ev_slots, ev_scores, journal, res)
 
     def _by_tables(self, kn: np.ndarray, ko: np.ndarray, bo: np.ndarray, b: int,
                    steps: np.ndarray, ln: np.ndarray, wn: np.ndarray,
@@ -246,14 +255,9 @@ class TableGroup:
         by table; a run of tables too small to split goes through one compiled call per
         stage); returns as :meth:`_by_tables`."""
         n, n_t = int(ko[-1]), len(self.tables)
-        first, slot_at, free_at, ufree, slots, inverse, uslot, upos, ev_keys, ev_scores = (
-            np.empty(n, np.int64) for _ in range(10))
-        found = (slots, inverse, uslot, upos, np.zeros(n, np.bool_), ev_keys,
-                 np.full(n, -1, np.int64), ev_scores)
+        scratch, found, journal, res = self._arrays(n)
         done = (*found, np.empty(n, np.int64), np.empty((3, n), np.int64),
                 np.empty(n, np.int64), np.empty(n, np.int64))
-        journal = np.empty((3 * n if self.journals else 0, 5), np.int64)
-        res = np.zeros((n_t, gnb.R_WIDTH), np.int64)
         pool = np.ones(n_t, np.int64)
         out = torch.empty(b, self.width, dtype=torch.float32)
         thr = self.threads()
@@ -265,8 +269,7 @@ class TableGroup:
                 while whole[t] and whole[hi]:
                     hi += 1
                 j = journal if self.ip[t:hi, gnb.I_ATOMIC].any() else journal[:0]
-                stop = self._look_inside(t, hi, kn, ko, steps, first, slot_at, free_at, ufree,
-                                         found, j, res)
+                stop = self._look_inside(t, hi, kn, ko, steps, scratch, found, j, res)
                 pool[t:stop] = res[t:stop, gnb.R_FAILED] == 0
                 if stop > t:
                     self._finish_inside(t, stop, kn, ko, bo, b, steps, done, ln, wn,
@@ -280,23 +283,19 @@ class TableGroup:
         return done, res, n_t, out
 
     def _look_inside(self, t: int, hi: int, kn: np.ndarray, ko: np.ndarray, steps: np.ndarray,
-                     first: np.ndarray, slot_at: np.ndarray, free_at: np.ndarray,
-                     ufree: np.ndarray, found: tuple[np.ndarray, ...], journal: np.ndarray,
-                     res: np.ndarray) -> int:
+                     scratch: tuple, found: tuple, journal: np.ndarray, res: np.ndarray) -> int:
         """The lookup of tables ``[t, hi)``: one table split by bucket ranges over the threads,
         as ``NumbaBackend.lookup`` splits it (probe parts, numbering, place parts), or tables
         too small to split in one call; returns the table that failed atomically (undone), or
         ``hi``."""
-        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
         n = int(ko[t + 1] - ko[t])
         parts = parts_for(self.threads(), n)
         if parts == 1:
-            m = lnb.set_size(int(np.diff(ko[t:hi + 1]).max()))
-            gnb.lookup(t, hi, kn, ko, self.addr, self.ip, steps, np.empty((m, 2), np.int64),
-                       first, slots, slot_at, free_at, inverse, uslot, ufree, upos, inserted,
-                       ev_keys, ev_slots, ev_scores, journal, res)
+            self._lookup_whole(t, hi, kn, ko, steps, scratch, found, journal, res)
             undone = np.flatnonzero(res[t:hi, gnb.R_UNDONE])
             return t + int(undone[0]) if undone.size else hi
+        first, slot_at, free_at, ufree = scratch
+        slots, inverse, uslot, upos, inserted, ev_keys, ev_slots, ev_scores = found
         addr, ip = self.addr, self.ip
         owner = np.empty(n, np.int32)
         spans = ranges(n, parts)
@@ -508,10 +507,9 @@ class GroupStep:
         if self.spans is None:  # pooling backward on one thread, each table's check split
             gnb.gradients(0, n_t, *args, False)
             for i in np.flatnonzero(todo).tolist():
-                u, lo, dim = int(self.res[i, gnb.R_ENTRIES]), int(go[i]), g.tables[i].dim
-                rows = ranges(u, parts_for(g.threads(), u))
-                bad[i] = not all(run_parts(lambda p: rnb.all_finite(
-                    grads[lo + rows[p][0] * dim:lo + rows[p][1] * dim]), len(rows)))
+                t = g.tables[i]
+                bad[i] = not t.backend.all_finite(torch.from_numpy(grads[go[i]:go[i + 1]]).view(
+                    int(self.res[i, gnb.R_ENTRIES]), t.dim))
         else:
             run_parts(lambda p: gnb.gradients(*self.spans[p], *args, True), len(self.spans))
         grouped = (todo != 0) & (bad == 0)
