@@ -45,6 +45,18 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_BUCKET_CAPACITY = 128
+"""``TableConfig.bucket_capacity``'s default, at which issue 14's targets are set."""
+
+
+def bucket_note(bucket_capacity: int) -> dict:
+    """What a target measured at another bucket capacity than the default carries beside it."""
+    if bucket_capacity == DEFAULT_BUCKET_CAPACITY:
+        return {}
+    return {"note": f"measured at bucket_capacity {bucket_capacity}; the target is set at the "
+                    f"default, {DEFAULT_BUCKET_CAPACITY}"}
+
+
 def set_threads(threads: int) -> dict:
     """Sets torch's intra-op threads deliberately; returns what the JSON reports about it."""
     if threads < 1:

@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
                          "capacity": args.capacity, "batch_size": args.batch_size,
                          "bag_size": args.bag_size, "zipf_exponent": args.zipf_exponent,
                          "universe": args.universe, "rounds": args.rounds,
-                         "steps": args.steps},
+                         "steps": args.steps, "bucket_capacity": args.bucket_capacity},
               "results": results, "loadavg_1m": {"before": load0, "after": loadavg_1m()},
               "environment": environment()}
     emit(record, args.out)

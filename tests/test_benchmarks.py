@@ -66,6 +66,17 @@ def test_table_ops_smoke(tmp_path):
     assert all(positive(t["measured_mkeys_per_s"]) for t in rec["targets"])
     for t in rec["targets"]:  # find's carry its memory ceiling
         assert ("memory_ceiling_mkeys_per_s" in t) == t["what"].startswith("find ")
+    assert rec["config"]["bucket_capacity"] == 128  # the default, where the targets are set
+    assert not any("note" in t for t in rec["targets"])
+
+
+def test_table_ops_bucket_capacity_smoke(tmp_path):
+    rec = run_smoke("table_ops", tmp_path, "--loads", "0.9", "--dists", "zipf", "--impls",
+                    "dynemb", "--bucket-capacity", "16")
+    assert rec["config"]["bucket_capacity"] == 16
+    assert rec["config"]["capacity_rows"] % 16 == 0
+    assert len(rec["targets"]) == 3 and all("bucket_capacity 16" in t["note"]
+                                            for t in rec["targets"])
 
 
 def test_train_step_smoke(tmp_path):
@@ -90,6 +101,19 @@ def test_train_step_smoke(tmp_path):
             assert positive(fb["step_ms"]) and positive(fb["mids_per_s"])
             assert positive(r["ratios"]["mids_per_s_vs_fbgemm_tbe"])
     assert len(rec["targets"]) == 7  # SGD, row-wise Adagrad: 3 each; Adam: 1
+    assert rec["config"]["bucket_capacity"] == 128 and not any("note" in t for t in rec["targets"])
+    assert all(r["dynemb"]["bucket_capacity"] == 128 for r in results)
+
+
+def test_train_step_bucket_capacity_smoke(tmp_path):
+    """``--bucket-capacity`` reaches dynemb's tables, and the targets (set at the default) say
+    they were measured at another."""
+    rec = run_smoke("train_step", tmp_path, "--optimizers", "sgd", "--bucket-capacity", "16")
+    assert rec["config"]["bucket_capacity"] == 16
+    (r,) = rec["results"]
+    assert r["dynemb"]["bucket_capacity"] == 16 and r["dynemb"]["evicted_per_step"] > 0
+    assert len(rec["targets"]) == 3 and all("bucket_capacity 16" in t["note"]
+                                            for t in rec["targets"])
 
 
 def test_many_tables_smoke(tmp_path):
