@@ -17,7 +17,10 @@ Workload, per load factor λ (capacity C, query Q keys per call):
 Beside them, the memory ceiling of find (``_ceiling.RowGather``, timed right after dynemb's
 verbs): a bare gather of Q rows of a (capacity, dim) float32 table, the rows of find's ranks
 (each resident rank stands for one row, scattered at random), with no index at all: what find
-would reach if looking a key up cost nothing.
+would reach if looking a key up cost nothing. And the floor of find_or_insert: its new rows (as
+many as a call inserts) initialised alone by the table's own init kernel (the default
+initializer, normal draws), plus that gather: what it would take if finding and placing keys
+cost nothing.
 The verbs that change the table run on a table restored to the filled state before each repeat
 (outside the timed region). Ranks are scrambled into scattered positive int64 ids. All three
 implementations get the same query batches; each repeat uses another batch; one untimed call
@@ -242,20 +245,50 @@ def bench_impl(impl: str, args, load: float, queries: dict, resident: torch.Tens
                 f"{rec[f'{op}_mkeys_per_s']:.2f} M keys/s")
         restore(table, impl, snap)
         if impl == "dynemb":
-            rec["memory_ceiling"] = find_ceiling(args, queries[dist]["find_rows"])
+            gather = RowGather(args.capacity, args.dim, args.query_keys)
+            rec["memory_ceiling"] = find_ceiling(args, gather, queries[dist]["find_rows"])
+            rec["find_or_insert_floor"] = find_or_insert_floor(
+                args, table, gather.rows, rec["find_or_insert_new_keys_per_call"],
+                rec["memory_ceiling"]["row_gather_ms"])
         out[dist] = rec
     return out
 
 
-def find_ceiling(args, batches: list[np.ndarray]) -> dict:
+def find_ceiling(args, gather: RowGather, batches: list[np.ndarray]) -> dict:
     """The bare row gather of find's rows (the first batch warms up, as find's did)."""
-    seconds = RowGather(args.capacity, args.dim, args.query_keys).times(
-        batches[1:], [1], args.repeats)[1]
+    seconds = gather.times(batches[1:], [1], args.repeats)[1]
     s = summary_ms(seconds)
     rate = rate_m(args.query_keys, s["median_ms"])
     log(f"[table_ops] memory ceiling of find: {rate:.2f} M keys/s")
     return {"what": "a bare gather of find's rows, no index", "row_gather_ms": s["median_ms"],
             "row_gather_ms_p90": s["p90_ms"], "row_gather_mkeys_per_s": rate}
+
+
+def find_or_insert_floor(args, table, rows: np.ndarray, new_per_call: float,
+                         gather_ms: float) -> dict:
+    """What ``find_or_insert`` cannot go below with the table's initializer: a call's new rows
+    (their median count) initialised on their own, by the table's init kernel into rows of
+    ``rows`` drawn at random, plus the bare gather of a call's rows (find's memory ceiling: the
+    call returns a row per key). Medians over ``repeats`` calls, after one untimed call."""
+    n = round(new_per_call)
+    rng = np.random.default_rng(args.seed + 2)
+    dst, cfg = torch.from_numpy(rows), table.config
+    seconds = []
+    for k in range(args.repeats + 1):
+        at = torch.from_numpy(rng.choice(rows.shape[0], n, replace=False))
+        keys = rank_to_id(rng.integers(1, args.universe + 1, n))
+        t = timed(lambda: table.store.backend.init_rows(
+            dst, at, keys, cfg.dim, 0.0, cfg.initializer, table.life.init_mix))
+        if k:
+            seconds.append(t)
+    init_ms = summary_ms(seconds)["median_ms"]
+    floor_ms = init_ms + gather_ms
+    log(f"[table_ops] floor of find_or_insert: {n} new rows initialised in {init_ms:.2f} ms, "
+        f"{rate_m(args.query_keys, floor_ms):.2f} M keys/s with the gather")
+    return {"what": "the call's new rows initialised alone (the table's initializer, "
+                    f"{cfg.initializer.kind.name}) plus find's bare row gather",
+            "new_rows": n, "initializer_ms": init_ms, "row_gather_ms": gather_ms,
+            "floor_ms": floor_ms, "floor_mkeys_per_s": rate_m(args.query_keys, floor_ms)}
 
 
 def main(argv=None) -> dict:
@@ -336,6 +369,9 @@ def targets(results: list[dict], bucket_capacity: int = DEFAULT_BUCKET_CAPACITY)
             if op == "find":
                 out[-1]["memory_ceiling_mkeys_per_s"] = \
                     rec["dynemb"]["memory_ceiling"]["row_gather_mkeys_per_s"]
+            elif op == "find_or_insert":
+                out[-1]["floor_mkeys_per_s"] = \
+                    rec["dynemb"]["find_or_insert_floor"]["floor_mkeys_per_s"]
     return out
 
 

@@ -56,6 +56,11 @@ def test_table_ops_smoke(tmp_path):
         ceiling = r["dynemb"]["memory_ceiling"]
         assert positive(ceiling["row_gather_mkeys_per_s"])
         assert ceiling["row_gather_ms_p90"] >= ceiling["row_gather_ms"]
+        floor = r["dynemb"]["find_or_insert_floor"]  # new rows initialised + that gather
+        assert floor["new_rows"] == round(r["dynemb"]["find_or_insert_new_keys_per_call"]) > 0
+        assert positive(floor["initializer_ms"]) and floor["row_gather_ms"] == ceiling[
+            "row_gather_ms"]
+        assert floor["floor_ms"] == pytest.approx(floor["initializer_ms"] + floor["row_gather_ms"])
         for op in ops:
             for base in impls[1:]:
                 assert positive(r["ratios"][f"{op}_vs_{base}"])
@@ -64,8 +69,9 @@ def test_table_ops_smoke(tmp_path):
             assert r["dynemb"]["find_or_insert_new_keys_per_call"] > 0
     assert len(rec["targets"]) == 6  # find, find_or_insert, insert_or_assign x zipf, uniform
     assert all(positive(t["measured_mkeys_per_s"]) for t in rec["targets"])
-    for t in rec["targets"]:  # find's carry its memory ceiling
+    for t in rec["targets"]:  # find's carry its memory ceiling, find_or_insert's its floor
         assert ("memory_ceiling_mkeys_per_s" in t) == t["what"].startswith("find ")
+        assert ("floor_mkeys_per_s" in t) == t["what"].startswith("find_or_insert ")
     assert rec["config"]["bucket_capacity"] == 128  # the default, where the targets are set
     assert not any("note" in t for t in rec["targets"])
 
