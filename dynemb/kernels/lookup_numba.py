@@ -38,13 +38,16 @@ from dynemb.kernels.index_numba import (
     PIN_HELD, _touch, claim_slot, new_score, record_eviction, victim,
 )
 from dynemb.kernels.jit import njit
-from dynemb.kernels.prefetch import AHEAD, prefetch, prefetch_read
+from dynemb.kernels.prefetch import (
+    AHEAD, STREAM, prefetch, prefetch_for_write, prefetch_read, prefetch_write,
+)
 
 T_HBM_HITS, T_DDR_HITS, T_HBM_MISSES, T_DDR_MISSES = 0, 1, 2, 3
 """Indices of the per-tier counts :func:`probe` adds to ``tiers`` (a key's occurrences are hits
 when it had a row before the call)."""
 _SET_SHIFT = np.uint64(24)  # the set's slot comes from bits the index's bucket choice uses less
 _RING = 2 * AHEAD  # :func:`probe` keeps the hashes of the occurrences it prefetched for
+_JOURNAL_AHEAD = 16  # rows of the journal :func:`_save` prefetches ahead of the one it writes
 
 
 def set_size(n: int) -> int:
@@ -84,8 +87,14 @@ def first_repeat(keys):
 
 @njit(cache=True, inline="always")
 def _save(journal, n_j, s, ikeys, iscores, dig, pins):
-    """Appends slot s's state to the journal (an atomic call); returns the new length."""
+    """Appends slot s's state to the journal (an atomic call); returns the new length. The row
+    ``_JOURNAL_AHEAD`` rows on is prefetched for writing (see ``prefetch.STREAM``; a row is five
+    int64, so the rows reach a new line every other entry: :func:`place` of 65,536 new keys on
+    one index state, caches flushed, alternating: 9.75 -> 8.10 ms, against 7.25 with no
+    journal)."""
     if journal.shape[0] > 0:
+        if n_j + _JOURNAL_AHEAD < journal.shape[0]:
+            prefetch_write(journal, n_j + _JOURNAL_AHEAD, 0)
         journal[n_j, 0] = s
         journal[n_j, 1] = ikeys[s]
         journal[n_j, 2] = iscores[s]
@@ -235,6 +244,7 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
     ring_h = np.empty(_RING, np.uint64)
     ring_b = np.empty(_RING, np.int64)
     hbm_hits = ddr_hits = hbm_misses = ddr_misses = 0
+    line = -1  # the last line of the outputs prefetched ``STREAM`` occurrences ahead
     for t in range(n + AHEAD):
         # a found occurrence's pin, journal entry and touch come AHEAD occurrences after its
         # probe, which prefetched its slot's pin and score (each slot's writes keep their order)
@@ -267,6 +277,13 @@ def probe(every, order, keys, custom, ikeys, iscores, dig, pins, num_buckets, sp
             prefetch(ikeys, ta)
         i = t if every else order[t]
         k = keys[i]
+        q = (i + STREAM) & ~7  # (eight int64 to a line)
+        if q != line and q < first.shape[0]:  # the outputs' lines, before the stores reach them
+            line = q
+            prefetch_for_write(first, q)
+            prefetch_for_write(slots, q)
+            prefetch_for_write(slot_at, q)
+            prefetch_for_write(free_at, q)
         if t >= AHEAD:
             h = ring_h[t % _RING]
             bucket = ring_b[t % _RING]
