@@ -29,6 +29,7 @@ import numpy as np
 from numba import carray, types
 from numba.extending import intrinsic
 
+from dynemb.kernels import index_numba as inb
 from dynemb.kernels import lookup_numba as lnb
 from dynemb.kernels import pooling_numba as pnb
 from dynemb.kernels import rows_numba as rnb
@@ -300,9 +301,7 @@ def _init_new(t, a, b, keys, ko, addr, ip, fp, steps, slots, fresh_pos):
         h, d = in_hbm >= 0, in_ddr >= 0
         rnb.init_rows(hbm, in_hbm[h], keys[at][h], *init)
         rnb.init_rows(ddr, in_ddr[d], keys[at][d], *init)
-    w = _written(addr, ip, t)
-    for s in new:
-        w[s] = steps[t]
+    inb.put_where(_written(addr, ip, t), new, steps[t])
 
 
 @njit(cache=True, inline="always")
@@ -369,14 +368,9 @@ def _update_table(t, a, b, ko, go, addr, ip, fa, steps, unique_slots, grads):
         in_hbm, in_ddr = _tiers(us, ip[t, I_HBM_ROWS])
         _update(ip[t, I_OPT], hbm, in_hbm, g, fa[t])
         _update(ip[t, I_OPT], ddr, in_ddr, g, fa[t])
-    step = steps[t]
-    w, sc = _written(addr, ip, t), _index(addr, ip, t)[1]
-    score = ip[t, I_POLICY] == P_STEP
-    for s in us:
-        if s >= 0:
-            w[s] = step
-            if score:
-                sc[s] = step
+    inb.put_where(_written(addr, ip, t), us, steps[t])
+    if ip[t, I_POLICY] == P_STEP:
+        inb.put_where(_index(addr, ip, t)[1], us, steps[t])
 
 
 @njit(cache=True, inline="always")
