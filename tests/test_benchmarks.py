@@ -109,6 +109,7 @@ def test_train_step_smoke(tmp_path):
     assert len(rec["targets"]) == 7  # SGD, row-wise Adagrad: 3 each; Adam: 1
     assert rec["config"]["bucket_capacity"] == 128 and not any("note" in t for t in rec["targets"])
     assert all(r["dynemb"]["bucket_capacity"] == 128 for r in results)
+    assert all(r["dynemb_same_ids"]["evicted_per_step"] == 0 for r in results)  # twice the room
 
 
 def test_train_step_bucket_capacity_smoke(tmp_path):
@@ -118,6 +119,7 @@ def test_train_step_bucket_capacity_smoke(tmp_path):
     assert rec["config"]["bucket_capacity"] == 16
     (r,) = rec["results"]
     assert r["dynemb"]["bucket_capacity"] == 16 and r["dynemb"]["evicted_per_step"] > 0
+    assert r["dynemb_same_ids"]["evicted_per_step"] >= 0
     assert len(rec["targets"]) == 3 and all("bucket_capacity 16" in t["note"]
                                             for t in rec["targets"])
 
@@ -159,6 +161,7 @@ def test_threads_smoke(tmp_path):
         assert g["speedup"] == pytest.approx(g["ms_per_gather"]["1"]["median_ms"]
                                              / g["ms_per_gather"]["2"]["median_ms"])
         assert r["target"]["memory_ceiling_speedup"] == g["speedup"]
+        assert "note" not in r["target"]  # measured at the default bucket capacity
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3])

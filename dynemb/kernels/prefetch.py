@@ -77,7 +77,8 @@ output line as its stores reach it. With this and the journal's prefetch
 before each (so nothing is in the cache), alternating with the code before in one process:
 find_or_insert 36.7 -> 32.6 ms on uniform keys, 13.1 -> 12.5 on Zipf ones, insert_or_assign
 31.7 -> 28.3 on uniform keys (Zipf: 20.1 / 20.0). The training step's lookup, on the state a
-step leaves, was unchanged (8.49 / 8.48 ms): its outputs reuse memory still in the cache. (The
+step leaves, was unchanged (8.49 / 8.48 ms; split in two parts over two threads, whose outputs
+interleave in the same lines, 5.16 / 5.13): its outputs reuse memory still in the cache. (The
 probe alone with the caches flushed: 5.16 -> 3.55 ms; 32 elements ahead 3.71, 128 4.19.)"""
 
 
