@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import dynemb
 
 # An odd 64-bit multiplier: ``rank * SCRAMBLE mod 2**63`` is a bijection on [0, 2**63), so Zipf
 # ranks become distinct, positive, scattered ids (hot ids are not 1, 2, 3, ...).
@@ -45,8 +48,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-DEFAULT_BUCKET_CAPACITY = 128
-"""``TableConfig.bucket_capacity``'s default, at which issue 14's targets are set."""
+DEFAULT_BUCKET_CAPACITY = next(f.default for f in dataclasses.fields(dynemb.TableConfig)
+                               if f.name == "bucket_capacity")
+"""``TableConfig.bucket_capacity``'s default (128), at which issue 14's targets are set."""
 
 
 def bucket_note(bucket_capacity: int) -> dict:
