@@ -492,13 +492,12 @@ class EmbeddingBagCollection(_Collection):
         a pipeline drives the collection); a training step runs its groupable tables grouped
         (``dynemb.nn.grouped``)."""
         with self._timed("lookup"):
-            out, group = [], self._group_for(staged)
-            step = None if group is None else group.lookup(staged.state, self._timed,
-                                                          hold=self._holds(staged))
-            if step is not None:
+            out, grouped, group = [], set(), self._group_for(staged)
+            if group is not None:
+                step = group.lookup(staged.state, self._timed, hold=self._holds(staged))
                 out.append((step, None))
                 staged.holds += step.held
-            grouped = set() if step is None else set(group.tables)
+                grouped = set(group.tables)
             for table in self.tables.values():
                 if table in grouped:
                     continue
