@@ -273,16 +273,16 @@ def bench_config(args, dim: int, opt: str, fb_why: str | None) -> dict:
     log(f"[train_step] dim {dim} {opt}: building")
     stream = Stream(args, args.seed)
     impls, skipped = build(args, dim, opt, fb_why)
-    ours = impls[0]
+    ours, same = impls[0], impls[1]  # (build's order: dynemb, dynemb_same_ids, baselines)
     warm = warm_up(ours, stream, args)
     log(f"[train_step] dim {dim} {opt}: warm-up {warm}")
     for impl in impls[1:]:  # dynemb_same_ids fills its table as long as dynemb did
         n = warm["warmup_steps"] if isinstance(impl, OursSameIds) else args.baseline_warmup_steps
         for _ in range(n):
             impl.step(stream.next())
-    st0, same0 = ours.table.stats(), impls[1].table.stats()
+    st0, same0 = ours.table.stats(), same.table.stats()
     times, unique = time_rounds(impls, stream, args)
-    st1, same1 = ours.table.stats(), impls[1].table.stats()
+    st1, same1 = ours.table.stats(), same.table.stats()
     n_ids = args.batch_size * args.bag_size
     rec: dict = {"dim": dim, "optimizer": opt}
     for impl in impls:
